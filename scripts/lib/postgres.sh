@@ -1,0 +1,68 @@
+# shellcheck shell=bash
+# Finds a PostgreSQL server for scripts/test and scripts/demo.
+#
+# ensure_postgres: uses the server named by DATABASE_URL (default postgres://postgres@127.0.0.1:5432)
+# when it answers; otherwise starts a private cluster from the installed binaries in ./data/pg on
+# port EXPORTD_PG_PORT (default 55433), stopped again when the calling script exits.
+# Afterwards PG_SERVER_URL holds the server URL without a database name.
+
+pg_bindir() {
+  if command -v pg_config >/dev/null 2>&1 && [ -x "$(pg_config --bindir)/initdb" ]; then
+    pg_config --bindir
+  elif ls -d /usr/lib/postgresql/*/bin >/dev/null 2>&1; then
+    ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1
+  elif command -v initdb >/dev/null 2>&1; then
+    dirname "$(command -v initdb)"
+  else
+    echo "PostgreSQL (>= 15) is not installed: no initdb found" >&2
+    return 1
+  fi
+}
+
+# Runs a PostgreSQL server binary, as the postgres user when we are root (it refuses root).
+pg_run() {
+  if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+pg_answers() { # url
+  "$(pg_bindir)/pg_isready" -q -d "$1" -t 3 >/dev/null 2>&1
+}
+
+ensure_postgres() {
+  local url="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432}"
+  # Strip a database name: callers add their own.
+  PG_SERVER_URL="$(printf '%s' "$url" | sed -E 's#^(postgres(ql)?://[^/?]*).*#\1#')"
+  if pg_answers "$PG_SERVER_URL/postgres"; then
+    echo "using PostgreSQL at ${PG_SERVER_URL#*@}"
+    return 0
+  fi
+  local port="${EXPORTD_PG_PORT:-55433}"
+  local dir
+  dir="$(pwd)/data/pg"
+  local bin
+  bin="$(pg_bindir)"
+  PG_SERVER_URL="postgres://postgres@127.0.0.1:$port"
+  if pg_answers "$PG_SERVER_URL/postgres"; then
+    echo "using the private PostgreSQL cluster on port $port"
+    return 0
+  fi
+  echo "no PostgreSQL at ${url#*@}; starting a private cluster in $dir on port $port"
+  mkdir -p "$dir"
+  if [ "$(id -u)" = 0 ]; then chown postgres:postgres "$dir"; fi
+  if [ ! -f "$dir/data/PG_VERSION" ]; then
+    pg_run "$bin/initdb" -D "$dir/data" -U postgres -A trust -E UTF8 --no-locale >"$dir/initdb.log" 2>&1 \
+      || { cat "$dir/initdb.log" >&2; return 1; }
+  fi
+  pg_run "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
+    -o "-p $port -k $dir -c listen_addresses=127.0.0.1 -c max_connections=200" start >/dev/null \
+    || { cat "$dir/server.log" >&2; return 1; }
+  PRIVATE_PG_DIR="$dir"
+  trap 'stop_private_postgres' EXIT
+}
+
+stop_private_postgres() {
+  if [ -n "${PRIVATE_PG_DIR:-}" ]; then
+    pg_run "$(pg_bindir)/pg_ctl" -D "$PRIVATE_PG_DIR/data" -m fast -w stop >/dev/null 2>&1 || true
+    PRIVATE_PG_DIR=""
+  fi
+}

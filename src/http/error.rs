@@ -1,0 +1,174 @@
+//! The one error type of the HTTP edge, rendered as RFC 9457 `application/problem+json`.
+
+use axum::extract::rejection::{BytesRejection, JsonRejection, PathRejection, QueryRejection};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Map, Value, json};
+
+use crate::auth::AuthError;
+
+pub type ApiResult<T> = Result<T, ApiError>;
+
+/// A problem to report. `code` is stable and machine-readable; `detail` is for people and never
+/// contains record data, tokens or anything about another tenant.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub detail: String,
+    /// Extra members of the problem object (`field`, `index`, …).
+    pub members: Map<String, Value>,
+    pub retry_after_seconds: Option<u64>,
+    www_authenticate: Option<String>,
+    /// Kept for the log of a 500; never sent.
+    source: Option<anyhow::Error>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, detail: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            code,
+            detail: detail.into(),
+            members: Map::new(),
+            retry_after_seconds: None,
+            www_authenticate: None,
+            source: None,
+        }
+    }
+
+    /// A 400 about one field of the request.
+    pub fn invalid_field(field: impl Into<String>, detail: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid-request", detail)
+            .with("field", field.into())
+    }
+
+    pub fn not_found(detail: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::NOT_FOUND, "not-found", detail)
+    }
+
+    pub fn forbidden(detail: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::FORBIDDEN, "forbidden", detail)
+    }
+
+    pub fn unauthorized(reason: &AuthError) -> Self {
+        let challenge = match reason {
+            // RFC 6750 §3.1: no error code when the request carried no credentials.
+            AuthError::Missing => r#"Bearer realm="exportd""#.to_owned(),
+            other => format!(
+                r#"Bearer realm="exportd", error="invalid_token", error_description="{other}""#
+            ),
+        };
+        let mut e = ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", reason.to_string());
+        e.www_authenticate = Some(challenge);
+        e
+    }
+
+    pub fn internal(source: impl Into<anyhow::Error>) -> Self {
+        let mut e = ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "an internal error occurred; it has been logged",
+        );
+        e.source = Some(source.into());
+        e
+    }
+
+    pub fn with(mut self, member: &str, value: impl Into<Value>) -> Self {
+        self.members.insert(member.to_owned(), value.into());
+        self
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if let Some(source) = &self.source {
+            tracing::error!(error = format!("{source:#}"), "request failed");
+        }
+        let mut body = json!({
+            "type": format!("urn:exportd:problem:{}", self.code),
+            "title": self.status.canonical_reason().unwrap_or("Error"),
+            "status": self.status.as_u16(),
+            "code": self.code,
+            "detail": self.detail,
+        });
+        body.as_object_mut().expect("object").extend(self.members);
+        let mut response = (self.status, body.to_string()).into_response();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(seconds) = self.retry_after_seconds {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
+        }
+        if let Some(challenge) = self
+            .www_authenticate
+            .and_then(|c| HeaderValue::from_str(&c).ok())
+        {
+            headers.insert(header::WWW_AUTHENTICATE, challenge);
+        }
+        response
+    }
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(e: sqlx::Error) -> Self {
+        ApiError::internal(e)
+    }
+}
+
+impl From<anyhow::Error> for ApiError {
+    fn from(e: anyhow::Error) -> Self {
+        ApiError::internal(e)
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> Self {
+        let status = rejection.status();
+        let code = match status {
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported-media-type",
+            StatusCode::PAYLOAD_TOO_LARGE => "payload-too-large",
+            _ => "invalid-body",
+        };
+        ApiError::new(status, code, rejection.body_text())
+    }
+}
+
+impl From<BytesRejection> for ApiError {
+    fn from(rejection: BytesRejection) -> Self {
+        let status = rejection.status();
+        let code = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            "payload-too-large"
+        } else {
+            "invalid-body"
+        };
+        ApiError::new(status, code, rejection.body_text())
+    }
+}
+
+impl From<PathRejection> for ApiError {
+    fn from(rejection: PathRejection) -> Self {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-path",
+            rejection.body_text(),
+        )
+    }
+}
+
+impl From<QueryRejection> for ApiError {
+    fn from(rejection: QueryRejection) -> Self {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-query",
+            rejection.body_text(),
+        )
+    }
+}
+
+/// Unmatched routes answer in the same problem format.
+pub async fn fallback() -> ApiError {
+    ApiError::not_found("no such resource")
+}

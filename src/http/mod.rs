@@ -1,0 +1,150 @@
+//! The HTTP API: one file per resource, merged here with the middleware every request passes.
+
+mod error;
+mod extract;
+mod health;
+mod openapi;
+mod records;
+mod state;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{MatchedPath, Request};
+use axum::http::header::{AUTHORIZATION, CACHE_CONTROL, X_CONTENT_TYPE_OPTIONS};
+use axum::http::{HeaderName, HeaderValue, StatusCode};
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
+use tower_http::set_header::SetResponseHeaderLayer;
+use tower_http::timeout::TimeoutLayer;
+use tower_http::trace::{DefaultOnResponse, TraceLayer};
+use tracing::Level;
+
+pub use error::{ApiError, ApiResult};
+pub use state::AppState;
+
+/// Hard cap on request bodies (an ingest batch of 10 000 records fits comfortably).
+const BODY_LIMIT_BYTES: usize = 16 << 20;
+/// Time allowed until the response head; download bodies stream past it.
+const RESPONSE_HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// The whole application: routes, `/openapi.json`, and the middleware stack.
+pub fn app(state: AppState) -> Router {
+    let (api, openapi) = openapi::routes().split_for_parts();
+    let openapi_json = serde_json::to_string(&openapi).expect("the OpenAPI document serializes");
+    api.route(
+        "/openapi.json",
+        axum::routing::get(move || async move {
+            (
+                [(axum::http::header::CONTENT_TYPE, "application/json")],
+                openapi_json,
+            )
+        }),
+    )
+    .fallback(error::fallback)
+    .with_state(state)
+    // Router::layer: the last added is the outermost.
+    .layer(RequestBodyLimitLayer::new(BODY_LIMIT_BYTES))
+    .layer(TimeoutLayer::with_status_code(
+        StatusCode::REQUEST_TIMEOUT,
+        RESPONSE_HEAD_TIMEOUT,
+    ))
+    .layer(CatchPanicLayer::custom(|_| {
+        axum::response::IntoResponse::into_response(ApiError::internal(anyhow::anyhow!(
+            "handler panicked"
+        )))
+    }))
+    .layer(SetResponseHeaderLayer::if_not_present(
+        CACHE_CONTROL,
+        HeaderValue::from_static("private, no-store"),
+    ))
+    .layer(SetResponseHeaderLayer::if_not_present(
+        X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    ))
+    .layer(PropagateRequestIdLayer::new(REQUEST_ID))
+    .layer(
+        TraceLayer::new_for_http()
+            .make_span_with(request_span)
+            .on_response(DefaultOnResponse::new().level(Level::INFO)),
+    )
+    .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
+    .layer(axum::middleware::map_request(drop_untrusted_request_id))
+    .layer(SetSensitiveRequestHeadersLayer::new([AUTHORIZATION]))
+}
+
+/// The span of one request: route template and ids only. The query string is left out on
+/// purpose: it may carry a signed link token.
+fn request_span(request: &Request) -> tracing::Span {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("-", |p| p.as_str());
+    let request_id = request
+        .headers()
+        .get(&REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-");
+    tracing::info_span!(
+        "request",
+        method = %request.method(),
+        route,
+        request_id,
+        tenant = tracing::field::Empty,
+        principal = tracing::field::Empty,
+    )
+}
+
+/// A client may pass its own request id for correlation, but only a short, plain one.
+async fn drop_untrusted_request_id(mut request: Request) -> Request {
+    let trusted = request
+        .headers()
+        .get(&REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|id| {
+            !id.is_empty()
+                && id.len() <= 64
+                && id
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        });
+    if !trusted {
+        request.headers_mut().remove(&REQUEST_ID);
+    }
+    request
+}
+
+/// Serves `app` until `shutdown` resolves, then lets in-flight requests finish for at most
+/// `drain`: one slow download must not hold a deploy hostage.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    drain: Duration,
+) -> std::io::Result<()> {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let server = axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let deadline = async move {
+        let mut stop_rx = stop_rx;
+        let _ = stop_rx.wait_for(|stopped| *stopped).await;
+        tokio::time::sleep(drain).await;
+    };
+    tokio::select! {
+        result = server.into_future() => result,
+        () = deadline => {
+            tracing::warn!(drain_seconds = drain.as_secs(), "connections still open after the drain deadline; closing");
+            Ok(())
+        }
+    }
+}

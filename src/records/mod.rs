@@ -1,0 +1,126 @@
+//! The versioned record store: writes stamped with the writer's xid8, reads "as of" a snapshot.
+//! The write path itself lives in SQL (migrations) so host applications and the HTTP ingest share it.
+
+mod seed;
+mod snapshot;
+
+pub use seed::{SeedReport, seed};
+pub use snapshot::Snapshot;
+
+use serde_json::{Map, Value};
+use sqlx::{PgExecutor, PgPool};
+
+use crate::tenants::{DatasetName, TenantId};
+
+/// SQLSTATE raised by the SQL write functions for a record that does not fit its dataset.
+pub const INVALID_RECORD_SQLSTATE: &str = "EXD01";
+
+/// One write of an ingest batch.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RecordWrite {
+    Upsert {
+        key: String,
+        data: Map<String, Value>,
+    },
+    Delete {
+        key: String,
+    },
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct BatchOutcome {
+    pub upserted: u64,
+    pub deleted: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error("record {index}: {field}: {message}")]
+    Invalid {
+        index: usize,
+        field: String,
+        message: String,
+    },
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// Validates and writes a batch in one transaction: all records or none.
+pub async fn write_batch(
+    pool: &PgPool,
+    tenant: &TenantId,
+    dataset: &DatasetName,
+    writes: &[RecordWrite],
+) -> Result<BatchOutcome, WriteError> {
+    let mut outcome = BatchOutcome::default();
+    let mut keys = Vec::with_capacity(writes.len());
+    let mut data = Vec::with_capacity(writes.len());
+    for write in writes {
+        match write {
+            RecordWrite::Upsert { key, data: d } => {
+                outcome.upserted += 1;
+                keys.push(key.as_str());
+                data.push(Some(Value::Object(d.clone())));
+            }
+            RecordWrite::Delete { key } => {
+                outcome.deleted += 1;
+                keys.push(key.as_str());
+                data.push(None);
+            }
+        }
+    }
+    let result = sqlx::query("SELECT exportd_write_batch($1, $2, $3, $4)")
+        .bind(tenant.as_str())
+        .bind(dataset.as_str())
+        .bind(&keys)
+        .bind(&data)
+        .execute(pool)
+        .await;
+    match result {
+        Ok(_) => Ok(outcome),
+        Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some(INVALID_RECORD_SQLSTATE) => {
+            let pg = db.downcast_ref::<sqlx::postgres::PgDatabaseError>();
+            Err(WriteError::Invalid {
+                index: pg.detail().and_then(|d| d.parse().ok()).unwrap_or(0),
+                field: pg.column().unwrap_or("data").to_owned(),
+                message: pg.message().to_owned(),
+            })
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// One record as of a snapshot.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct Record {
+    pub key: String,
+    pub data: Value,
+}
+
+/// Up to `limit` records of a dataset as they were at `snapshot`, in key (byte) order, starting
+/// after key `after`. Exact from any transaction that began after the snapshot was taken.
+pub async fn read_as_of<'e>(
+    executor: impl PgExecutor<'e>,
+    tenant: &TenantId,
+    dataset: &DatasetName,
+    snapshot: &Snapshot,
+    after: Option<&str>,
+    limit: i64,
+) -> sqlx::Result<Vec<Record>> {
+    sqlx::query_as(
+        "SELECT v.key, v.data FROM record_versions v
+         WHERE v.tenant = $1 AND v.dataset = $2 AND v.key > $4
+           AND pg_visible_in_snapshot(v.created_xid, $3::pg_snapshot)
+           AND (v.closed_xid IS NULL OR NOT pg_visible_in_snapshot(v.closed_xid, $3::pg_snapshot))
+           AND v.data IS NOT NULL
+         ORDER BY v.key
+         LIMIT $5",
+    )
+    .bind(tenant.as_str())
+    .bind(dataset.as_str())
+    .bind(snapshot.as_str())
+    .bind(after.unwrap_or(""))
+    .bind(limit)
+    .fetch_all(executor)
+    .await
+}

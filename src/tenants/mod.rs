@@ -1,0 +1,149 @@
+//! Tenants: one `tenants/<id>.toml` per tenant plus shared dataset schemas in `tenants/datasets/`.
+//! Loaded and validated once at start-up; any error names the file and the field.
+
+mod dataset;
+mod file;
+mod names;
+mod settings;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub use dataset::{Column, ColumnType, DatasetSchema};
+pub use names::{ColumnName, DatasetName, PrincipalId, TenantId};
+pub use settings::{Feeds, Quota, Retention};
+
+/// A configuration error: which file, which field, what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub file: PathBuf,
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "{}: {}", self.file.display(), self.message)
+        } else {
+            write!(
+                f,
+                "{}: {}: {}",
+                self.file.display(),
+                self.field,
+                self.message
+            )
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Sees and manages everything of its tenant.
+    Admin,
+    /// Reads only the datasets it is granted, optionally narrowed by a row filter.
+    Partner,
+}
+
+/// Column = value equalities every exported row of a partner must satisfy.
+pub type RowFilter = BTreeMap<ColumnName, serde_json::Value>;
+
+#[derive(Debug, Clone)]
+pub struct Principal {
+    pub id: PrincipalId,
+    pub role: Role,
+    grants: BTreeSet<DatasetName>,
+    pub row_filter: RowFilter,
+    pub disabled: bool,
+}
+
+impl Principal {
+    pub fn is_admin(&self) -> bool {
+        self.role == Role::Admin
+    }
+
+    /// Whether this principal may read `dataset` (which the tenant must also expose).
+    pub fn is_granted(&self, dataset: &DatasetName) -> bool {
+        self.is_admin() || self.grants.contains(dataset)
+    }
+}
+
+/// An HS256 secret. Its Debug output never shows the bytes.
+#[derive(Clone)]
+pub struct Secret(Vec<u8>);
+
+impl Secret {
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SigningKey {
+    pub kid: String,
+    pub secret: Secret,
+}
+
+#[derive(Debug)]
+pub struct Tenant {
+    pub id: TenantId,
+    pub name: String,
+    pub datasets: BTreeMap<DatasetName, Arc<DatasetSchema>>,
+    /// The first key signs new tokens; all are accepted.
+    pub keys: Vec<SigningKey>,
+    pub principals: BTreeMap<PrincipalId, Principal>,
+    pub quota: Quota,
+    pub retention: Retention,
+    pub feeds: Feeds,
+}
+
+impl Tenant {
+    pub fn principal(&self, id: &str) -> Option<&Principal> {
+        self.principals.get(id)
+    }
+
+    pub fn dataset(&self, name: &str) -> Option<&Arc<DatasetSchema>> {
+        self.datasets.get(name)
+    }
+}
+
+/// Every tenant, found by id or by signing-key id.
+#[derive(Debug, Default)]
+pub struct Registry {
+    tenants: BTreeMap<TenantId, Arc<Tenant>>,
+    /// kid → (tenant, index into its keys). Kids are unique across all tenants.
+    kids: HashMap<String, (TenantId, usize)>,
+}
+
+impl Registry {
+    /// Loads `dir/datasets/*.toml` and `dir/*.toml`.
+    pub fn load(dir: &Path) -> Result<Registry, ConfigError> {
+        file::load_dir(dir)
+    }
+
+    pub fn get(&self, id: &str) -> Option<&Arc<Tenant>> {
+        self.tenants.get(id)
+    }
+
+    pub fn tenants(&self) -> impl Iterator<Item = &Arc<Tenant>> {
+        self.tenants.values()
+    }
+
+    /// The tenant owning signing key `kid`, and that key.
+    pub fn key(&self, kid: &str) -> Option<(&Arc<Tenant>, &SigningKey)> {
+        let (tenant, index) = self.kids.get(kid)?;
+        let tenant = self.tenants.get(tenant)?;
+        Some((tenant, &tenant.keys[*index]))
+    }
+}

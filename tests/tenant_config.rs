@@ -1,0 +1,128 @@
+//! Start-up validation of tenant files: every mistake stops start-up naming the file and the field.
+
+mod common;
+
+use std::path::Path;
+
+use exportd::tenants::Registry;
+
+const SCHEMA: &str = "name = \"tickets\"\nkey_column = \"id\"\n[[columns]]\nname = \"subject\"\ntype = \"string\"\n[[columns]]\nname = \"region\"\ntype = \"string\"\n";
+
+const GOOD: &str = r#"
+id = "acme"
+name = "Acme"
+datasets = ["tickets"]
+
+[[keys]]
+kid = "k1"
+secret = "0123456789abcdef0123456789abcdef"
+
+[[principals]]
+id = "alice"
+role = "admin"
+
+[[principals]]
+id = "p1"
+role = "partner"
+grants = ["tickets"]
+row_filter = { region = "emea" }
+"#;
+
+fn write_tree(dir: &Path, files: &[(&str, &str)]) {
+    std::fs::create_dir_all(dir.join("datasets")).unwrap();
+    std::fs::write(dir.join("datasets/tickets.toml"), SCHEMA).unwrap();
+    for (name, text) in files {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+}
+
+fn load(files: &[(&str, &str)]) -> Result<Registry, String> {
+    let dir = tempfile::tempdir().unwrap();
+    write_tree(dir.path(), files);
+    Registry::load(dir.path()).map_err(|e| e.to_string())
+}
+
+#[test]
+fn the_shipped_and_fixture_tenants_load() {
+    let shipped = Registry::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tenants")).unwrap();
+    assert!(shipped.get("acme").is_some() && shipped.get("globex").is_some());
+    let fixtures = common::fixture_registry();
+    assert!(
+        fixtures
+            .get("acme")
+            .unwrap()
+            .principal("mallory")
+            .unwrap()
+            .disabled
+    );
+    assert!(load(&[("acme.toml", GOOD)]).is_ok());
+}
+
+#[test]
+fn each_mistake_names_the_file_and_the_field() {
+    let cases: Vec<(&str, String, &str)> = vec![
+        ("unknown field", GOOD.replace("name = \"Acme\"", "name = \"Acme\"\ncolour = \"red\""), "unknown field `colour`"),
+        ("unknown quota field", format!("{GOOD}\n[quota]\nmax_exports = 3\n"), "unknown field `max_exports`"),
+        ("missing id", GOOD.replace("id = \"acme\"\n", ""), "missing field `id`"),
+        ("grant to an unknown dataset", GOOD.replace("grants = [\"tickets\"]", "grants = [\"tix\"]"), "principals[1].grants[0]"),
+        ("unknown exposed dataset", GOOD.replace("datasets = [\"tickets\"]", "datasets = [\"tickets\", \"orders\"]"), "datasets[1]: unknown dataset `orders`"),
+        ("duplicate kid", GOOD.replace("[[principals]]\nid = \"alice\"", "[[keys]]\nkid = \"k1\"\nsecret = \"0123456789abcdef0123456789abcdef\"\n\n[[principals]]\nid = \"alice\""), "keys[1].kid: duplicate kid `k1`"),
+        ("short secret", GOOD.replace("0123456789abcdef0123456789abcdef", "short"), "keys[0].secret"),
+        ("secret from a missing env var", GOOD.replace("secret = \"0123456789abcdef0123456789abcdef\"", "secret_env = \"EXPORTD_TEST_UNSET_VAR\""), "keys[0].secret_env"),
+        ("row filter on an unknown column", GOOD.replace("region = \"emea\"", "country = \"de\""), "principals[1].row_filter.country"),
+        ("row filter of the wrong type", GOOD.replace("region = \"emea\"", "region = 5"), "principals[1].row_filter.region"),
+        ("bad role", GOOD.replace("role = \"admin\"", "role = \"root\""), "unknown variant `root`"),
+        ("id differs from the file name", GOOD.replace("id = \"acme\"", "id = \"other\""), ": id: must match the file name"),
+        ("zero rate", format!("{GOOD}\n[quota]\napi_requests_per_second = 0\n"), "quota.api_requests_per_second"),
+        ("duplicate principal", format!("{GOOD}\n[[principals]]\nid = \"alice\"\nrole = \"admin\"\n"), "principals[2].id"),
+    ];
+    for (what, text, expected) in cases {
+        let err = load(&[("acme.toml", &text)]).expect_err(what);
+        assert!(err.contains("acme.toml"), "{what}: no file name in {err:?}");
+        assert!(
+            err.contains(expected),
+            "{what}: expected {expected:?} in {err:?}"
+        );
+    }
+}
+
+#[test]
+fn a_kid_used_by_two_tenants_names_both_files() {
+    let other = GOOD.replace("id = \"acme\"", "id = \"globex\"");
+    let err = load(&[("acme.toml", GOOD), ("globex.toml", &other)]).unwrap_err();
+    assert!(
+        err.contains("globex.toml: keys[0].kid: duplicate kid `k1`"),
+        "{err}"
+    );
+    assert!(err.contains("acme.toml"), "{err}");
+}
+
+#[test]
+fn the_line_of_a_syntax_error_is_reported() {
+    let err = load(&[("acme.toml", "id = \"acme\"\nname = \n")]).unwrap_err();
+    assert!(err.contains("acme.toml") && err.contains("line 2"), "{err}");
+}
+
+#[test]
+fn a_broken_config_stops_the_server_before_it_listens() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tree(
+        dir.path(),
+        &[(
+            "acme.toml",
+            &GOOD.replace("grants = [\"tickets\"]", "grants = [\"tix\"]"),
+        )],
+    );
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_exportd"))
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env("EXPORTD_TENANTS_DIR", dir.path())
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/never")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("acme.toml: principals[1].grants[0]"),
+        "{stderr}"
+    );
+}
