@@ -7,29 +7,14 @@ use clap::Args;
 #[derive(Debug, Clone, Args)]
 pub struct Settings {
     /// PostgreSQL connection URL; the database is created if it does not exist.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/exportd",
-        global = true
-    )]
+    #[arg(long, env = "DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/exportd", global = true)]
     pub database_url: String,
 
     /// Directory of tenant files (`<id>.toml`) and dataset schemas (`datasets/<name>.toml`).
-    #[arg(
-        long,
-        env = "EXPORTD_TENANTS_DIR",
-        default_value = "./tenants",
-        global = true
-    )]
+    #[arg(long, env = "EXPORTD_TENANTS_DIR", default_value = "./tenants", global = true)]
     pub tenants_dir: PathBuf,
 
     /// Directory for export artifacts and other local state.
-    #[arg(
-        long,
-        env = "EXPORTD_DATA_DIR",
-        default_value = "./data",
-        global = true
-    )]
+    #[arg(long, env = "EXPORTD_DATA_DIR", default_value = "./data", global = true)]
     pub data_dir: PathBuf,
 }

@@ -25,10 +25,7 @@ pub async fn connect(database_url: &str, max_connections: u32) -> anyhow::Result
 }
 
 pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
-    sqlx::migrate!("./migrations")
-        .run(pool)
-        .await
-        .context("running database migrations")
+    sqlx::migrate!("./migrations").run(pool).await.context("running database migrations")
 }
 
 /// Makes the `datasets` table match the tenant files, so the SQL write functions validate
@@ -75,13 +72,8 @@ pub async fn sync_catalogue(pool: &PgPool, registry: &Registry) -> anyhow::Resul
 /// `CREATE DATABASE` for the URL's database unless it exists (a fresh machine has only `postgres`).
 pub async fn create_database_if_missing(database_url: &str) -> anyhow::Result<()> {
     use sqlx::migrate::MigrateDatabase;
-    if !sqlx::Postgres::database_exists(database_url)
-        .await
-        .context("checking the database exists")?
-    {
-        sqlx::Postgres::create_database(database_url)
-            .await
-            .context("creating the database")?;
+    if !sqlx::Postgres::database_exists(database_url).await.context("checking the database exists")? {
+        sqlx::Postgres::create_database(database_url).await.context("creating the database")?;
     }
     Ok(())
 }

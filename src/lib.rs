@@ -1,12 +1,17 @@
 //! exportd: multi-tenant bulk exports and incremental feeds on PostgreSQL.
 //!
-//! Domain modules (`tenants`, `auth`, `records`) know nothing of HTTP; `http` is a thin edge over them.
+//! Domain modules (`tenants`, `auth`, `records`, `exports`, `jobs`, `storage`, `writers`) know
+//! nothing of HTTP; `http` is a thin edge over them.
 
 pub mod auth;
 pub mod config;
 pub mod db;
+pub mod exports;
 pub mod http;
+pub mod jobs;
 pub mod records;
 pub mod server;
+pub mod storage;
 pub mod telemetry;
 pub mod tenants;
+pub mod writers;

@@ -9,11 +9,7 @@ use exportd::config::Settings;
 use exportd::tenants::Registry;
 
 #[derive(Parser)]
-#[command(
-    name = "exportd",
-    version,
-    about = "Multi-tenant exports and incremental feeds on PostgreSQL"
-)]
+#[command(name = "exportd", version, about = "Multi-tenant exports and incremental feeds on PostgreSQL")]
 struct Cli {
     #[command(flatten)]
     settings: Settings,
@@ -28,6 +24,17 @@ enum Command {
         /// Address to listen on.
         #[arg(long, env = "EXPORTD_LISTEN", default_value = "127.0.0.1:8080")]
         listen: SocketAddr,
+        /// In-process export workers (0 = API only; run `exportd worker` elsewhere).
+        #[arg(long, env = "EXPORTD_WORKERS", default_value_t = 2)]
+        workers: usize,
+    },
+    /// Run export workers only (scale out: any number of processes on any machines).
+    Worker {
+        #[arg(long, env = "EXPORTD_WORKERS", default_value_t = 2)]
+        workers: usize,
+        /// Run until no job is waiting, then exit (batch runs, benchmarks).
+        #[arg(long)]
+        exit_when_idle: bool,
     },
     /// Create the database if needed and apply migrations.
     Migrate,
@@ -64,40 +71,26 @@ async fn main() -> anyhow::Result<()> {
     exportd::telemetry::init();
     let settings = cli.settings;
     match cli.command {
-        Command::Serve { listen } => exportd::server::serve(&settings, listen).await,
+        Command::Serve { listen, workers } => exportd::server::serve(&settings, listen, workers).await,
+        Command::Worker { workers, exit_when_idle } => exportd::server::work(&settings, workers, exit_when_idle).await,
         Command::Migrate => {
             exportd::server::prepare(&settings, 2).await?;
             println!("database is up to date");
             Ok(())
         }
-        Command::Token {
-            tenant,
-            principal,
-            ttl,
-        } => {
+        Command::Token { tenant, principal, ttl } => {
             let registry = Registry::load(&settings.tenants_dir)?;
-            let tenant = registry
-                .get(&tenant)
-                .with_context(|| format!("no tenant `{tenant}`"))?;
+            let tenant = registry.get(&tenant).with_context(|| format!("no tenant `{tenant}`"))?;
             println!("{}", exportd::auth::mint(tenant, &principal, ttl)?);
             Ok(())
         }
-        Command::Seed {
-            tenant,
-            dataset,
-            rows,
-            start,
-            seed,
-        } => {
+        Command::Seed { tenant, dataset, rows, start, seed } => {
             let (pool, registry) = exportd::server::prepare(&settings, 2).await?;
-            let tenant = registry
-                .get(&tenant)
-                .with_context(|| format!("no tenant `{tenant}`"))?;
+            let tenant = registry.get(&tenant).with_context(|| format!("no tenant `{tenant}`"))?;
             let schema = tenant
                 .dataset(&dataset)
                 .with_context(|| format!("tenant `{}` has no dataset `{dataset}`", tenant.id))?;
-            let report =
-                exportd::records::seed(&pool, &tenant.id, schema, start, rows, seed).await?;
+            let report = exportd::records::seed(&pool, &tenant.id, schema, start, rows, seed).await?;
             let rate = report.rows as f64 / (report.elapsed_ms.max(1) as f64 / 1000.0);
             println!(
                 "seeded {} {} records for {} in {} ms ({rate:.0} rows/s)",

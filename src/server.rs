@@ -7,19 +7,20 @@ use std::time::Duration;
 use anyhow::Context;
 use sqlx::PgPool;
 
+use tokio::sync::watch;
+
 use crate::config::Settings;
 use crate::db;
 use crate::http::{self, AppState};
+use crate::jobs::{self, WorkerConfig, WorkerDeps};
+use crate::storage::ArtifactStore;
 use crate::tenants::Registry;
 
 /// In-flight requests get this long after a shutdown signal.
 const DRAIN: Duration = Duration::from_secs(20);
 
 /// Loads tenants, prepares the database (create, migrate, sync catalogue) and returns both.
-pub async fn prepare(
-    settings: &Settings,
-    max_connections: u32,
-) -> anyhow::Result<(PgPool, Arc<Registry>)> {
+pub async fn prepare(settings: &Settings, max_connections: u32) -> anyhow::Result<(PgPool, Arc<Registry>)> {
     let registry = Registry::load(&settings.tenants_dir)?;
     db::create_database_if_missing(&settings.database_url).await?;
     let pool = db::connect(&settings.database_url, max_connections).await?;
@@ -28,21 +29,78 @@ pub async fn prepare(
     Ok((pool, Arc::new(registry)))
 }
 
-/// `exportd serve`: runs until SIGINT or SIGTERM.
-pub async fn serve(settings: &Settings, listen: SocketAddr) -> anyhow::Result<()> {
-    let (pool, registry) = prepare(settings, 16).await?;
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("binding {listen}"))?;
-    tracing::info!(address = %listener.local_addr()?, tenants = registry.tenants().count(), "exportd listening");
-    let app = http::app(AppState {
-        pool: pool.clone(),
-        registry,
-    });
-    http::serve(listener, app, shutdown_signal(), DRAIN).await?;
+/// `exportd serve`: the HTTP API plus `workers` in-process workers, until SIGINT or SIGTERM.
+pub async fn serve(settings: &Settings, listen: SocketAddr, workers: usize) -> anyhow::Result<()> {
+    let (pool, registry) = prepare(settings, 16 + workers as u32).await?;
+    let deps = worker_deps(settings, pool.clone(), registry.clone())?;
+    let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
+    tracing::info!(address = %listener.local_addr()?, tenants = registry.tenants().count(), workers, "exportd listening");
+    let shutdown = shutdown_channel();
+    let handles = jobs::spawn_workers(&deps, workers, &shutdown);
+    let app = http::app(AppState { pool: pool.clone(), registry });
+    let mut http_shutdown = shutdown.clone();
+    http::serve(
+        listener,
+        app,
+        async move {
+            let _ = http_shutdown.wait_for(|stop| *stop).await;
+        },
+        DRAIN,
+    )
+    .await?;
+    join_workers(handles).await;
     pool.close().await;
     tracing::info!("exportd stopped");
     Ok(())
+}
+
+/// `exportd worker`: workers only, sharing the jobs with every other process through PostgreSQL.
+pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> anyhow::Result<()> {
+    let (pool, registry) = prepare(settings, 2 + workers as u32).await?;
+    let deps = worker_deps(settings, pool.clone(), registry)?;
+    if exit_when_idle {
+        let handles: Vec<_> = (0..workers.max(1))
+            .map(|n| {
+                let deps = deps.clone();
+                tokio::spawn(async move { jobs::drain(&deps, &format!("drain-{n}")).await })
+            })
+            .collect();
+        for handle in handles {
+            for step in handle.await?? {
+                tracing::info!(outcome = ?step, "job run ended");
+            }
+        }
+    } else {
+        tracing::info!(workers, "exportd worker started");
+        let shutdown = shutdown_channel();
+        join_workers(jobs::spawn_workers(&deps, workers, &shutdown)).await;
+    }
+    pool.close().await;
+    Ok(())
+}
+
+fn worker_deps(settings: &Settings, pool: PgPool, registry: Arc<Registry>) -> anyhow::Result<WorkerDeps> {
+    let store = ArtifactStore::open(&settings.data_dir)
+        .with_context(|| format!("opening the artifact store in {}", settings.data_dir.display()))?;
+    Ok(WorkerDeps { pool, registry, store, config: WorkerConfig::default() })
+}
+
+/// Turns true on SIGINT or SIGTERM.
+fn shutdown_channel() -> watch::Receiver<bool> {
+    let (tx, rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = tx.send(true);
+    });
+    rx
+}
+
+/// Workers finish their current shard and release their leases; wait for that, within the drain time.
+async fn join_workers(handles: Vec<tokio::task::JoinHandle<()>>) {
+    let all = futures_util::future::join_all(handles);
+    if tokio::time::timeout(DRAIN, all).await.is_err() {
+        tracing::warn!("workers still busy after the drain deadline; their leases will expire");
+    }
 }
 
 async fn shutdown_signal() {

@@ -3,8 +3,8 @@
 use tracing_subscriber::EnvFilter;
 
 pub fn init() {
-    let filter = EnvFilter::try_from_env("EXPORTD_LOG")
-        .unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn,tower_http=info"));
+    let filter =
+        EnvFilter::try_from_env("EXPORTD_LOG").unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn,tower_http=info"));
     tracing_subscriber::fmt()
         .json()
         .flatten_event(true)

@@ -10,10 +10,7 @@ use serde_json::{Value, json};
 use sqlx::PgPool;
 
 fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs()
 }
 
 fn b64(bytes: &[u8]) -> String {
@@ -21,10 +18,7 @@ fn b64(bytes: &[u8]) -> String {
 }
 
 async fn stored_versions(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM record_versions")
-        .fetch_one(pool)
-        .await
-        .unwrap()
+    sqlx::query_scalar("SELECT count(*) FROM record_versions").fetch_one(pool).await.unwrap()
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -35,10 +29,7 @@ async fn healthz_reports_the_database_and_marks_responses_private(pool: PgPool) 
     assert_eq!(response.headers()["cache-control"], "private, no-store");
     assert_eq!(response.headers()["x-content-type-options"], "nosniff");
     assert!(response.headers().contains_key("x-request-id"));
-    assert_eq!(
-        response.json::<Value>().await.unwrap(),
-        json!({"status": "ok", "database": "ok"})
-    );
+    assert_eq!(response.json::<Value>().await.unwrap(), json!({"status": "ok", "database": "ok"}));
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -50,10 +41,7 @@ async fn openapi_describes_every_route(pool: PgPool) {
         assert!(paths.contains_key(path), "{path} missing from openapi.json");
     }
     assert!(doc["paths"]["/v1/datasets/{dataset}/records"]["post"].is_object());
-    assert_eq!(
-        doc["components"]["securitySchemes"]["bearer"]["scheme"],
-        "bearer"
-    );
+    assert_eq!(doc["components"]["securitySchemes"]["bearer"]["scheme"], "bearer");
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -63,27 +51,11 @@ async fn unknown_routes_and_bad_request_ids_get_clean_answers(pool: PgPool) {
     assert_eq!(response.status(), 404);
     assert_eq!(problem(response).await["code"], "not-found");
 
-    let response = app
-        .client
-        .get(app.url("/healthz"))
-        .header("x-request-id", "abc-123")
-        .send()
-        .await
-        .unwrap();
+    let response = app.client.get(app.url("/healthz")).header("x-request-id", "abc-123").send().await.unwrap();
     assert_eq!(response.headers()["x-request-id"], "abc-123");
     let forged = "x".repeat(65);
-    let response = app
-        .client
-        .get(app.url("/healthz"))
-        .header("x-request-id", &forged)
-        .send()
-        .await
-        .unwrap();
-    assert_ne!(
-        response.headers()["x-request-id"],
-        forged.as_str(),
-        "an overlong id is replaced"
-    );
+    let response = app.client.get(app.url("/healthz")).header("x-request-id", &forged).send().await.unwrap();
+    assert_ne!(response.headers()["x-request-id"], forged.as_str(), "an overlong id is replaced");
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -99,10 +71,7 @@ async fn an_admin_ingests_a_batch_and_lists_datasets(pool: PgPool) {
     let response = app.ingest(&token, "tickets", &batch).await;
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["cache-control"], "private, no-store");
-    assert_eq!(
-        response.json::<Value>().await.unwrap(),
-        json!({"upserted": 3, "deleted": 1})
-    );
+    assert_eq!(response.json::<Value>().await.unwrap(), json!({"upserted": 3, "deleted": 1}));
     let rows: Vec<(String, Value)> = sqlx::query_as(
         "SELECT key, data FROM record_versions WHERE closed_xid IS NULL AND data IS NOT NULL ORDER BY key",
     )
@@ -112,42 +81,20 @@ async fn an_admin_ingests_a_batch_and_lists_datasets(pool: PgPool) {
     assert_eq!(rows.len(), 2);
     assert_eq!(rows[0].1["subject"], "Printer still on fire");
 
-    let datasets: Value = app
-        .get(Some(&token), "/v1/datasets")
-        .await
-        .json()
-        .await
-        .unwrap();
-    let names: Vec<&str> = datasets["datasets"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d["name"].as_str().unwrap())
-        .collect();
+    let datasets: Value = app.get(Some(&token), "/v1/datasets").await.json().await.unwrap();
+    let names: Vec<&str> =
+        datasets["datasets"].as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["contacts", "tickets"]);
-    let partner: Value = app
-        .get(Some(&app.token("acme", "zenpartner")), "/v1/datasets")
-        .await
-        .json()
-        .await
-        .unwrap();
+    let partner: Value = app.get(Some(&app.token("acme", "zenpartner")), "/v1/datasets").await.json().await.unwrap();
     assert_eq!(partner["datasets"].as_array().unwrap().len(), 1);
-    assert_eq!(
-        partner["datasets"][0]["row_filter"],
-        json!({"region": "emea"})
-    );
+    assert_eq!(partner["datasets"][0]["row_filter"], json!({"region": "emea"}));
 }
 
 #[sqlx::test(migrations = "./migrations")]
 async fn a_batch_with_one_bad_record_stores_nothing_and_names_it(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
     let token = app.token("acme", "alice");
-    app.ingest(
-        &token,
-        "tickets",
-        &json!([{"key": "before", "data": {"subject": "s", "status": "open"}}]),
-    )
-    .await;
+    app.ingest(&token, "tickets", &json!([{"key": "before", "data": {"subject": "s", "status": "open"}}])).await;
     let batch = json!([
         {"key": "a", "data": {"subject": "fine", "status": "open"}},
         {"key": "b", "data": {"subject": "fine", "status": "open"}},
@@ -159,15 +106,8 @@ async fn a_batch_with_one_bad_record_stores_nothing_and_names_it(pool: PgPool) {
     assert_eq!(body["code"], "invalid-record");
     assert_eq!(body["index"], 2);
     assert_eq!(body["field"], "[2].data.priority");
-    assert!(
-        !body["detail"].as_str().unwrap().contains("high"),
-        "record data is never echoed"
-    );
-    assert_eq!(
-        stored_versions(&app.pool).await,
-        1,
-        "nothing from the bad batch was stored"
-    );
+    assert!(!body["detail"].as_str().unwrap().contains("high"), "record data is never echoed");
+    assert_eq!(stored_versions(&app.pool).await, 1, "nothing from the bad batch was stored");
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -176,17 +116,9 @@ async fn malformed_ingest_bodies_are_refused_with_the_field(pool: PgPool) {
     let token = app.token("acme", "alice");
     let cases = [
         (json!([{"key": "a"}]), "invalid-record", "[0].data"),
-        (
-            json!([{"key": "a", "data": {"subject": "s", "status": "o"}, "deleted": true}]),
-            "invalid-record",
-            "[0].data",
-        ),
+        (json!([{"key": "a", "data": {"subject": "s", "status": "o"}, "deleted": true}]), "invalid-record", "[0].data"),
         (json!([{"data": {}}]), "invalid-body", "[0]"),
-        (
-            json!([{"key": "a", "data": {}, "extra": 1}]),
-            "invalid-body",
-            "[0].extra",
-        ),
+        (json!([{"key": "a", "data": {}, "extra": 1}]), "invalid-body", "[0].extra"),
         (json!([{"key": 7, "data": {}}]), "invalid-body", "[0].key"),
         (json!({"key": "a"}), "invalid-body", "body"),
         (json!([]), "invalid-request", "body"),
@@ -215,19 +147,13 @@ async fn malformed_ingest_bodies_are_refused_with_the_field(pool: PgPool) {
 async fn only_admins_of_the_owning_tenant_may_ingest(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
     let batch = json!([{"key": "x", "data": {"name": "Ann"}}]);
-    let partner = app
-        .ingest(&app.token("acme", "zenpartner"), "tickets", &batch)
-        .await;
+    let partner = app.ingest(&app.token("acme", "zenpartner"), "tickets", &batch).await;
     assert_eq!(partner.status(), 403);
     assert_eq!(problem(partner).await["code"], "forbidden");
     // globex exposes no `contacts`: the same 404 as a dataset nobody has.
-    let foreign = app
-        .ingest(&app.token("globex", "hank"), "contacts", &batch)
-        .await;
+    let foreign = app.ingest(&app.token("globex", "hank"), "contacts", &batch).await;
     assert_eq!(foreign.status(), 404);
-    let missing = app
-        .ingest(&app.token("globex", "hank"), "nonexistent", &batch)
-        .await;
+    let missing = app.ingest(&app.token("globex", "hank"), "nonexistent", &batch).await;
     assert_eq!(missing.status(), 404);
     assert_eq!(problem(foreign).await, problem(missing).await);
     assert_eq!(stored_versions(&app.pool).await, 0);
@@ -236,11 +162,7 @@ async fn only_admins_of_the_owning_tenant_may_ingest(pool: PgPool) {
 /// A token with arbitrary header and claims, signed with `secret` (HS256).
 fn forge(header: Value, claims: Value, secret: &[u8]) -> String {
     use hmac::{KeyInit, Mac};
-    let signing_input = format!(
-        "{}.{}",
-        b64(header.to_string().as_bytes()),
-        b64(claims.to_string().as_bytes())
-    );
+    let signing_input = format!("{}.{}", b64(header.to_string().as_bytes()), b64(claims.to_string().as_bytes()));
     let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret).unwrap();
     mac.update(signing_input.as_bytes());
     format!("{signing_input}.{}", b64(&mac.finalize().into_bytes()))
@@ -253,11 +175,7 @@ async fn every_kind_of_bad_token_is_refused_with_401(pool: PgPool) {
     let secret = acme.keys[0].secret.bytes().to_vec();
     let claims = |tenant: &str, sub: &str, exp: u64| json!({"tenant": tenant, "sub": sub, "aud": "exportd", "iat": now(), "exp": exp});
     let header = |kid: &str| json!({"alg": "HS256", "typ": "JWT", "kid": kid});
-    let good = forge(
-        header("acme-k2"),
-        claims("acme", "alice", now() + 600),
-        &secret,
-    );
+    let good = forge(header("acme-k2"), claims("acme", "alice", now() + 600), &secret);
     let mut flipped = good.clone().into_bytes();
     let last = flipped.len() - 2;
     flipped[last] = if flipped[last] == b'A' { b'B' } else { b'A' };
@@ -276,32 +194,11 @@ async fn every_kind_of_bad_token_is_refused_with_401(pool: PgPool) {
         ),
         (
             "HS512 with the same key",
-            Some(forge(
-                json!({"alg": "HS512", "kid": "acme-k2"}),
-                claims("acme", "alice", now() + 600),
-                &secret,
-            )),
+            Some(forge(json!({"alg": "HS512", "kid": "acme-k2"}), claims("acme", "alice", now() + 600), &secret)),
         ),
-        (
-            "expired",
-            Some(exportd::auth::mint_at(acme, "alice", now() - 7200, now() - 3600).unwrap()),
-        ),
-        (
-            "unknown kid",
-            Some(forge(
-                header("acme-k9"),
-                claims("acme", "alice", now() + 600),
-                &secret,
-            )),
-        ),
-        (
-            "no kid",
-            Some(forge(
-                json!({"alg": "HS256"}),
-                claims("acme", "alice", now() + 600),
-                &secret,
-            )),
-        ),
+        ("expired", Some(exportd::auth::mint_at(acme, "alice", now() - 7200, now() - 3600).unwrap())),
+        ("unknown kid", Some(forge(header("acme-k9"), claims("acme", "alice", now() + 600), &secret))),
+        ("no kid", Some(forge(json!({"alg": "HS256"}), claims("acme", "alice", now() + 600), &secret))),
         (
             "wrong audience",
             Some(forge(
@@ -311,49 +208,21 @@ async fn every_kind_of_bad_token_is_refused_with_401(pool: PgPool) {
             )),
         ),
         ("disabled principal", Some(app.token("acme", "mallory"))),
-        (
-            "unknown principal",
-            Some(forge(
-                header("acme-k2"),
-                claims("acme", "nobody", now() + 600),
-                &secret,
-            )),
-        ),
-        (
-            "acme's key claiming globex",
-            Some(forge(
-                header("acme-k2"),
-                claims("globex", "hank", now() + 600),
-                &secret,
-            )),
-        ),
+        ("unknown principal", Some(forge(header("acme-k2"), claims("acme", "nobody", now() + 600), &secret))),
+        ("acme's key claiming globex", Some(forge(header("acme-k2"), claims("globex", "hank", now() + 600), &secret))),
     ];
     for (what, token) in cases {
         let response = app.get(token.as_deref(), "/v1/datasets").await;
         assert_eq!(response.status(), 401, "{what}");
-        let challenge = response.headers()["www-authenticate"]
-            .to_str()
-            .unwrap()
-            .to_owned();
-        assert!(
-            challenge.starts_with("Bearer realm=\"exportd\""),
-            "{what}: {challenge}"
-        );
-        assert_eq!(
-            token.is_some(),
-            challenge.contains("invalid_token"),
-            "{what}: {challenge}"
-        );
+        let challenge = response.headers()["www-authenticate"].to_str().unwrap().to_owned();
+        assert!(challenge.starts_with("Bearer realm=\"exportd\""), "{what}: {challenge}");
+        assert_eq!(token.is_some(), challenge.contains("invalid_token"), "{what}: {challenge}");
         assert_eq!(problem(response).await["code"], "unauthorized", "{what}");
     }
     // The same forging helper, with everything right, is accepted: the cases above fail for their reason.
     assert_eq!(app.get(Some(&good), "/v1/datasets").await.status(), 200);
     // An older key that is still listed is accepted (rotation).
-    let old = forge(
-        header("acme-k1"),
-        claims("acme", "alice", now() + 600),
-        acme.keys[1].secret.bytes(),
-    );
+    let old = forge(header("acme-k1"), claims("acme", "alice", now() + 600), acme.keys[1].secret.bytes());
     assert_eq!(app.get(Some(&old), "/v1/datasets").await.status(), 200);
 }
 
@@ -361,26 +230,11 @@ async fn every_kind_of_bad_token_is_refused_with_401(pool: PgPool) {
 async fn the_token_command_mints_a_working_token(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_exportd"))
-        .args([
-            "token",
-            "--tenant",
-            "globex",
-            "--principal",
-            "hank",
-            "--ttl",
-            "5m",
-        ])
+        .args(["token", "--tenant", "globex", "--principal", "hank", "--ttl", "5m"])
         .env("EXPORTD_TENANTS_DIR", common::fixture_tenants_dir())
         .output()
         .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let token = String::from_utf8(output.stdout).unwrap();
-    assert_eq!(
-        app.get(Some(token.trim()), "/v1/datasets").await.status(),
-        200
-    );
+    assert_eq!(app.get(Some(token.trim()), "/v1/datasets").await.status(), 200);
 }

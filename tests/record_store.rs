@@ -2,7 +2,7 @@
 
 mod common;
 
-use exportd::records::{self, Record, Snapshot};
+use exportd::records::{self, AsOf, Record, Snapshot};
 use exportd::tenants::{DatasetName, TenantId};
 use serde_json::{Value, json};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -20,12 +20,7 @@ fn ticket(subject: &str) -> Value {
 }
 
 async fn upsert(conn: &mut PgConnection, key: &str, data: Value) {
-    sqlx::query("SELECT exportd_upsert('acme', 'tickets', $1, $2)")
-        .bind(key)
-        .bind(data)
-        .execute(conn)
-        .await
-        .unwrap();
+    sqlx::query("SELECT exportd_upsert('acme', 'tickets', $1, $2)").bind(key).bind(data).execute(conn).await.unwrap();
 }
 
 async fn snapshot(pool: &PgPool) -> Snapshot {
@@ -33,7 +28,8 @@ async fn snapshot(pool: &PgPool) -> Snapshot {
 }
 
 async fn read(pool: &PgPool, snap: &Snapshot) -> Vec<(String, String)> {
-    records::read_as_of(pool, &acme(), &tickets(), snap, None, 1000)
+    AsOf::new(&acme(), &tickets(), snap)
+        .page(pool, None, 1000)
         .await
         .unwrap()
         .into_iter()
@@ -42,10 +38,7 @@ async fn read(pool: &PgPool, snap: &Snapshot) -> Vec<(String, String)> {
 }
 
 fn pairs(items: &[(&str, &str)]) -> Vec<(String, String)> {
-    items
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
+    items.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -65,15 +58,8 @@ async fn a_writer_open_at_the_snapshot_stays_invisible_after_it_commits(pool: Pg
     let snap = snapshot(&pool).await;
     tx.commit().await.unwrap();
 
-    assert_eq!(
-        read(&pool, &snap).await,
-        vec![],
-        "the in-flight write leaked into the snapshot"
-    );
-    assert_eq!(
-        read(&pool, &snapshot(&pool).await).await,
-        pairs(&[("late", "late")])
-    );
+    assert_eq!(read(&pool, &snap).await, vec![], "the in-flight write leaked into the snapshot");
+    assert_eq!(read(&pool, &snapshot(&pool).await).await, pairs(&[("late", "late")]));
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -85,18 +71,12 @@ async fn updates_and_deletes_after_a_snapshot_do_not_change_what_it_reads(pool: 
     }
     let snap = snapshot(&pool).await;
     upsert(&mut conn, "a", ticket("a v2")).await;
-    sqlx::query("SELECT exportd_delete('acme', 'tickets', 'b')")
-        .execute(&mut *conn)
-        .await
-        .unwrap();
+    sqlx::query("SELECT exportd_delete('acme', 'tickets', 'b')").execute(&mut *conn).await.unwrap();
     upsert(&mut conn, "d", ticket("d v1")).await;
 
     let expected = pairs(&[("a", "a v1"), ("b", "b v1"), ("c", "c v1")]);
     assert_eq!(read(&pool, &snap).await, expected);
-    assert_eq!(
-        read(&pool, &snapshot(&pool).await).await,
-        pairs(&[("a", "a v2"), ("c", "c v1"), ("d", "d v1")])
-    );
+    assert_eq!(read(&pool, &snapshot(&pool).await).await, pairs(&[("a", "a v2"), ("c", "c v1"), ("d", "d v1")]));
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -108,21 +88,13 @@ async fn the_sql_functions_join_the_callers_transaction_and_vanish_on_rollback(p
     let mut tx = conn.begin().await.unwrap();
     upsert(&mut tx, "rolled-back", ticket("gone")).await;
     upsert(&mut tx, "kept", ticket("overwritten then rolled back")).await;
-    let existed: bool = sqlx::query_scalar("SELECT exportd_delete('acme', 'tickets', 'kept')")
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
+    let existed: bool =
+        sqlx::query_scalar("SELECT exportd_delete('acme', 'tickets', 'kept')").fetch_one(&mut *tx).await.unwrap();
     assert!(existed);
     tx.rollback().await.unwrap();
 
-    assert_eq!(
-        read(&pool, &snapshot(&pool).await).await,
-        pairs(&[("kept", "kept")])
-    );
-    let versions: i64 = sqlx::query_scalar("SELECT count(*) FROM record_versions")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    assert_eq!(read(&pool, &snapshot(&pool).await).await, pairs(&[("kept", "kept")]));
+    let versions: i64 = sqlx::query_scalar("SELECT count(*) FROM record_versions").fetch_one(&pool).await.unwrap();
     assert_eq!(versions, 1, "the rolled-back versions are gone");
 }
 
@@ -135,22 +107,13 @@ async fn rewriting_a_key_in_one_transaction_keeps_one_version(pool: PgPool) {
     upsert(&mut tx, "k", ticket("one")).await;
     upsert(&mut tx, "k", ticket("two")).await;
     upsert(&mut tx, "gone", ticket("created")).await;
-    sqlx::query("SELECT exportd_delete('acme', 'tickets', 'gone')")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    sqlx::query("SELECT exportd_delete('acme', 'tickets', 'gone')").execute(&mut *tx).await.unwrap();
     tx.commit().await.unwrap();
 
     assert_eq!(read(&pool, &before).await, vec![]);
-    assert_eq!(
-        read(&pool, &snapshot(&pool).await).await,
-        pairs(&[("k", "two")])
-    );
+    assert_eq!(read(&pool, &snapshot(&pool).await).await, pairs(&[("k", "two")]));
     let versions: Vec<(String, bool)> =
-        sqlx::query_as("SELECT key, data IS NULL FROM record_versions ORDER BY key")
-            .fetch_all(&pool)
-            .await
-            .unwrap();
+        sqlx::query_as("SELECT key, data IS NULL FROM record_versions ORDER BY key").fetch_all(&pool).await.unwrap();
     assert_eq!(versions, vec![("gone".into(), true), ("k".into(), false)]);
 }
 
@@ -168,10 +131,7 @@ async fn concurrent_writers_commit_in_order(pool: PgPool, existing: bool) {
     upsert(&mut tx1, "k", ticket("first")).await;
 
     let mut second = pool.acquire().await.unwrap();
-    let second_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut *second)
-        .await
-        .unwrap();
+    let second_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *second).await.unwrap();
     let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
     let (written_tx, written_rx) = tokio::sync::oneshot::channel::<()>();
     let writer = tokio::spawn(async move {
@@ -190,19 +150,14 @@ async fn concurrent_writers_commit_in_order(pool: PgPool, existing: bool) {
     writer.await.unwrap();
     let s2 = snapshot(&pool).await;
 
-    let original = if existing {
-        pairs(&[("k", "original")])
-    } else {
-        vec![]
-    };
+    let original = if existing { pairs(&[("k", "original")]) } else { vec![] };
     assert_eq!(read(&pool, &s0).await, original);
     assert_eq!(read(&pool, &s1).await, pairs(&[("k", "first")]));
     assert_eq!(read(&pool, &s2).await, pairs(&[("k", "second")]));
-    let open: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM record_versions WHERE closed_xid IS NULL")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let open: i64 = sqlx::query_scalar("SELECT count(*) FROM record_versions WHERE closed_xid IS NULL")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
     assert_eq!(open, 1, "exactly one open version per key");
 }
 
@@ -221,48 +176,18 @@ async fn the_sql_functions_refuse_records_that_do_not_fit_and_name_the_field(poo
     common::prepare_db(&pool).await;
     let cases = [
         ("tickets", "k", json!({"subject": "s"}), "data.status"),
-        (
-            "tickets",
-            "k",
-            json!({"subject": "s", "status": "open", "priority": 1.5}),
-            "data.priority",
-        ),
-        (
-            "tickets",
-            "k",
-            json!({"subject": "s", "status": "open", "opened_at": "yesterday"}),
-            "data.opened_at",
-        ),
+        ("tickets", "k", json!({"subject": "s", "status": "open", "priority": 1.5}), "data.priority"),
+        ("tickets", "k", json!({"subject": "s", "status": "open", "opened_at": "yesterday"}), "data.opened_at"),
         (
             "tickets",
             "k",
             json!({"subject": "s", "status": "open", "opened_at": "2026-13-01T00:00:00Z"}),
             "data.opened_at",
         ),
-        (
-            "tickets",
-            "k",
-            json!({"subject": "s", "status": "open", "colour": "red"}),
-            "data.colour",
-        ),
-        (
-            "tickets",
-            "k",
-            json!({"subject": 5, "status": "open"}),
-            "data.subject",
-        ),
-        (
-            "tickets",
-            "",
-            json!({"subject": "s", "status": "open"}),
-            "key",
-        ),
-        (
-            "nope",
-            "k",
-            json!({"subject": "s", "status": "open"}),
-            "dataset",
-        ),
+        ("tickets", "k", json!({"subject": "s", "status": "open", "colour": "red"}), "data.colour"),
+        ("tickets", "k", json!({"subject": 5, "status": "open"}), "data.subject"),
+        ("tickets", "", json!({"subject": "s", "status": "open"}), "key"),
+        ("nope", "k", json!({"subject": "s", "status": "open"}), "dataset"),
     ];
     for (dataset, key, data, field) in cases {
         let err = sqlx::query("SELECT exportd_upsert('acme', $1, $2, $3)")
@@ -279,11 +204,7 @@ async fn the_sql_functions_refuse_records_that_do_not_fit_and_name_the_field(poo
     }
     let ok = json!({"subject": "s", "status": "open", "priority": 3, "amount": -3.5,
         "opened_at": "2026-11-30T10:00:00.5+01:00", "tags": {"any": ["json"]}, "region": null});
-    sqlx::query("SELECT exportd_upsert('acme', 'tickets', 'ok', $1)")
-        .bind(ok)
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::query("SELECT exportd_upsert('acme', 'tickets', 'ok', $1)").bind(ok).execute(&pool).await.unwrap();
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -291,30 +212,19 @@ async fn seeding_writes_versions_like_the_sql_functions(pool: PgPool) {
     let registry = common::prepare_db(&pool).await;
     let tenant = registry.get("acme").unwrap();
     let schema = tenant.dataset("tickets").unwrap();
-    let report = records::seed(&pool, &acme(), schema, 0, 500, 1)
-        .await
-        .unwrap();
+    let report = records::seed(&pool, &acme(), schema, 0, 500, 1).await.unwrap();
     assert_eq!(report.rows, 500);
     let first = snapshot(&pool).await;
     // Re-seeding a range closes the old versions instead of duplicating keys.
-    records::seed(&pool, &acme(), schema, 400, 200, 2)
-        .await
-        .unwrap();
+    records::seed(&pool, &acme(), schema, 400, 200, 2).await.unwrap();
     let second = snapshot(&pool).await;
 
-    let at_first = records::read_as_of(&pool, &acme(), &tickets(), &first, None, 10_000)
-        .await
-        .unwrap();
-    let at_second = records::read_as_of(&pool, &acme(), &tickets(), &second, None, 10_000)
-        .await
-        .unwrap();
+    let at_first = AsOf::new(&acme(), &tickets(), &first).page(&pool, None, 10_000).await.unwrap();
+    let at_second = AsOf::new(&acme(), &tickets(), &second).page(&pool, None, 10_000).await.unwrap();
     assert_eq!(at_first.len(), 500);
     assert_eq!(at_second.len(), 600);
     assert_eq!(at_first[..400], at_second[..400]);
-    assert_ne!(
-        at_first[450], at_second[450],
-        "re-seeded keys carry the new seed's values"
-    );
+    assert_ne!(at_first[450], at_second[450], "re-seeded keys carry the new seed's values");
     let keys: Vec<&str> = at_second.iter().map(|r| r.key.as_str()).collect();
     let mut sorted = keys.clone();
     sorted.sort();
@@ -334,16 +244,12 @@ async fn seeding_writes_versions_like_the_sql_functions(pool: PgPool) {
 async fn keyset_pages_cover_every_record_once(pool: PgPool) {
     let registry = common::prepare_db(&pool).await;
     let schema = registry.get("acme").unwrap().dataset("tickets").unwrap();
-    records::seed(&pool, &acme(), schema, 0, 1234, 1)
-        .await
-        .unwrap();
+    records::seed(&pool, &acme(), schema, 0, 1234, 1).await.unwrap();
     let snap = snapshot(&pool).await;
     let mut after: Option<String> = None;
     let mut seen = Vec::new();
     loop {
-        let page = records::read_as_of(&pool, &acme(), &tickets(), &snap, after.as_deref(), 100)
-            .await
-            .unwrap();
+        let page = AsOf::new(&acme(), &tickets(), &snap).page(&pool, after.as_deref(), 100).await.unwrap();
         let Some(last) = page.last() else { break };
         after = Some(last.key.clone());
         seen.extend(page.into_iter().map(|r| r.key));

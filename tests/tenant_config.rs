@@ -47,14 +47,7 @@ fn the_shipped_and_fixture_tenants_load() {
     let shipped = Registry::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tenants")).unwrap();
     assert!(shipped.get("acme").is_some() && shipped.get("globex").is_some());
     let fixtures = common::fixture_registry();
-    assert!(
-        fixtures
-            .get("acme")
-            .unwrap()
-            .principal("mallory")
-            .unwrap()
-            .disabled
-    );
+    assert!(fixtures.get("acme").unwrap().principal("mallory").unwrap().disabled);
     assert!(load(&[("acme.toml", GOOD)]).is_ok());
 }
 
@@ -79,10 +72,7 @@ fn each_mistake_names_the_file_and_the_field() {
     for (what, text, expected) in cases {
         let err = load(&[("acme.toml", &text)]).expect_err(what);
         assert!(err.contains("acme.toml"), "{what}: no file name in {err:?}");
-        assert!(
-            err.contains(expected),
-            "{what}: expected {expected:?} in {err:?}"
-        );
+        assert!(err.contains(expected), "{what}: expected {expected:?} in {err:?}");
     }
 }
 
@@ -90,10 +80,7 @@ fn each_mistake_names_the_file_and_the_field() {
 fn a_kid_used_by_two_tenants_names_both_files() {
     let other = GOOD.replace("id = \"acme\"", "id = \"globex\"");
     let err = load(&[("acme.toml", GOOD), ("globex.toml", &other)]).unwrap_err();
-    assert!(
-        err.contains("globex.toml: keys[0].kid: duplicate kid `k1`"),
-        "{err}"
-    );
+    assert!(err.contains("globex.toml: keys[0].kid: duplicate kid `k1`"), "{err}");
     assert!(err.contains("acme.toml"), "{err}");
 }
 
@@ -106,13 +93,7 @@ fn the_line_of_a_syntax_error_is_reported() {
 #[test]
 fn a_broken_config_stops_the_server_before_it_listens() {
     let dir = tempfile::tempdir().unwrap();
-    write_tree(
-        dir.path(),
-        &[(
-            "acme.toml",
-            &GOOD.replace("grants = [\"tickets\"]", "grants = [\"tix\"]"),
-        )],
-    );
+    write_tree(dir.path(), &[("acme.toml", &GOOD.replace("grants = [\"tickets\"]", "grants = [\"tix\"]"))]);
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_exportd"))
         .args(["serve", "--listen", "127.0.0.1:0"])
         .env("EXPORTD_TENANTS_DIR", dir.path())
@@ -121,8 +102,5 @@ fn a_broken_config_stops_the_server_before_it_listens() {
         .unwrap();
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        stderr.contains("acme.toml: principals[1].grants[0]"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("acme.toml: principals[1].grants[0]"), "{stderr}");
 }

@@ -53,8 +53,7 @@ pub fn authenticate(registry: &Registry, token: &str) -> Result<Caller, AuthErro
     let header = jsonwebtoken::decode_header(token).map_err(|_| AuthError::Malformed)?;
     let kid = header.kid.ok_or(AuthError::UnknownKey)?;
     let (tenant, key) = registry.key(&kid).ok_or(AuthError::UnknownKey)?;
-    let decoding =
-        DecodingKey::from_secret(key.secret.bytes()).map_err(|_| AuthError::UnknownKey)?;
+    let decoding = DecodingKey::from_secret(key.secret.bytes()).map_err(|_| AuthError::UnknownKey)?;
     let claims = jsonwebtoken::decode::<Claims>(token, &decoding, &validation())
         .map_err(|e| match e.kind() {
             jsonwebtoken::errors::ErrorKind::ExpiredSignature => AuthError::Expired,
@@ -67,10 +66,7 @@ pub fn authenticate(registry: &Registry, token: &str) -> Result<Caller, AuthErro
     }
     let principal = tenant.principal(&claims.sub).filter(|p| !p.disabled);
     let principal = principal.ok_or(AuthError::PrincipalRefused)?.clone();
-    Ok(Caller {
-        tenant: tenant.clone(),
-        principal,
-    })
+    Ok(Caller { tenant: tenant.clone(), principal })
 }
 
 fn validation() -> Validation {
@@ -89,19 +85,10 @@ pub fn mint(tenant: &Tenant, principal: &str, ttl: Duration) -> anyhow::Result<S
 
 /// Signs a token with explicit times (tests use it for expired tokens).
 pub fn mint_at(tenant: &Tenant, principal: &str, iat: u64, exp: u64) -> anyhow::Result<String> {
-    anyhow::ensure!(
-        tenant.principal(principal).is_some(),
-        "tenant `{}` has no principal `{principal}`",
-        tenant.id
-    );
+    anyhow::ensure!(tenant.principal(principal).is_some(), "tenant `{}` has no principal `{principal}`", tenant.id);
     let key = &tenant.keys[0];
-    let claims = Claims {
-        tenant: tenant.id.to_string(),
-        sub: principal.to_owned(),
-        aud: AUDIENCE.to_owned(),
-        iat,
-        exp,
-    };
+    let claims =
+        Claims { tenant: tenant.id.to_string(), sub: principal.to_owned(), aud: AUDIENCE.to_owned(), iat, exp };
     let mut header = Header::new(Algorithm::HS256);
     header.kid = Some(key.kid.clone());
     let encoding = EncodingKey::from_secret(key.secret.bytes())?;

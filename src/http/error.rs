@@ -39,8 +39,7 @@ impl ApiError {
 
     /// A 400 about one field of the request.
     pub fn invalid_field(field: impl Into<String>, detail: impl Into<String>) -> Self {
-        ApiError::new(StatusCode::BAD_REQUEST, "invalid-request", detail)
-            .with("field", field.into())
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid-request", detail).with("field", field.into())
     }
 
     pub fn not_found(detail: impl Into<String>) -> Self {
@@ -55,9 +54,7 @@ impl ApiError {
         let challenge = match reason {
             // RFC 6750 §3.1: no error code when the request carried no credentials.
             AuthError::Missing => r#"Bearer realm="exportd""#.to_owned(),
-            other => format!(
-                r#"Bearer realm="exportd", error="invalid_token", error_description="{other}""#
-            ),
+            other => format!(r#"Bearer realm="exportd", error="invalid_token", error_description="{other}""#),
         };
         let mut e = ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", reason.to_string());
         e.www_authenticate = Some(challenge);
@@ -95,17 +92,11 @@ impl IntoResponse for ApiError {
         body.as_object_mut().expect("object").extend(self.members);
         let mut response = (self.status, body.to_string()).into_response();
         let headers = response.headers_mut();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
         if let Some(seconds) = self.retry_after_seconds {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
         }
-        if let Some(challenge) = self
-            .www_authenticate
-            .and_then(|c| HeaderValue::from_str(&c).ok())
-        {
+        if let Some(challenge) = self.www_authenticate.and_then(|c| HeaderValue::from_str(&c).ok()) {
             headers.insert(header::WWW_AUTHENTICATE, challenge);
         }
         response
@@ -139,32 +130,20 @@ impl From<JsonRejection> for ApiError {
 impl From<BytesRejection> for ApiError {
     fn from(rejection: BytesRejection) -> Self {
         let status = rejection.status();
-        let code = if status == StatusCode::PAYLOAD_TOO_LARGE {
-            "payload-too-large"
-        } else {
-            "invalid-body"
-        };
+        let code = if status == StatusCode::PAYLOAD_TOO_LARGE { "payload-too-large" } else { "invalid-body" };
         ApiError::new(status, code, rejection.body_text())
     }
 }
 
 impl From<PathRejection> for ApiError {
     fn from(rejection: PathRejection) -> Self {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid-path",
-            rejection.body_text(),
-        )
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid-path", rejection.body_text())
     }
 }
 
 impl From<QueryRejection> for ApiError {
     fn from(rejection: QueryRejection) -> Self {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid-query",
-            rejection.body_text(),
-        )
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid-query", rejection.body_text())
     }
 }
 

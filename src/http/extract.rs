@@ -1,8 +1,11 @@
 //! Request extractors: the authenticated caller, and a path whose rejections become problems.
 
-use axum::extract::FromRequestParts;
-use axum::http::header::AUTHORIZATION;
+use axum::body::Bytes;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
 use axum::http::request::Parts;
+use axum::http::{HeaderMap, StatusCode};
+use serde::de::DeserializeOwned;
 
 use super::error::ApiError;
 use super::state::AppState;
@@ -17,8 +20,7 @@ impl FromRequestParts<AppState> for Caller {
             .and_then(|h| h.to_str().map_err(|_| AuthError::Malformed))
             .and_then(|h| bearer_token(h).ok_or(AuthError::Malformed))
             .map_err(|e| ApiError::unauthorized(&e))?;
-        let caller =
-            auth::authenticate(&state.registry, token).map_err(|e| ApiError::unauthorized(&e))?;
+        let caller = auth::authenticate(&state.registry, token).map_err(|e| ApiError::unauthorized(&e))?;
         let span = tracing::Span::current();
         span.record("tenant", caller.tenant.id.as_str());
         span.record("principal", caller.principal.id.as_str());
@@ -33,10 +35,45 @@ fn bearer_token(header: &str) -> Option<&str> {
     (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
 }
 
+/// A JSON body whose errors name the offending field by its JSON path (`[3].key`,
+/// `filter.region`), as problem+json. Requires `Content-Type: application/json`.
+pub struct JsonBody<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, ApiError> {
+        require_json(request.headers())?;
+        let body = Bytes::from_request(request, state).await?;
+        let mut deserializer = serde_json::Deserializer::from_slice(&body);
+        let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+            let path = e.path().to_string();
+            let field = if path == "." { "body".to_owned() } else { path };
+            ApiError::new(StatusCode::BAD_REQUEST, "invalid-body", e.inner().to_string()).with("field", field)
+        })?;
+        Ok(JsonBody(value))
+    }
+}
+
+fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
+    let content_type = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let essence = content_type.split(';').next().unwrap_or("").trim();
+    if essence.eq_ignore_ascii_case("application/json") {
+        Ok(())
+    } else {
+        Err(ApiError::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported-media-type", "send application/json"))
+    }
+}
+
 /// `axum::extract::Path` whose rejection is a problem+json.
 #[derive(FromRequestParts)]
 #[from_request(via(axum::extract::Path), rejection(ApiError))]
 pub struct Path<T>(pub T);
+
+/// `axum::extract::Query` whose rejection is a problem+json.
+#[derive(FromRequestParts)]
+#[from_request(via(axum::extract::Query), rejection(ApiError))]
+pub struct Query<T>(pub T);
 
 #[cfg(test)]
 mod tests {

@@ -1,6 +1,7 @@
 //! The HTTP API: one file per resource, merged here with the middleware every request passes.
 
 mod error;
+mod exports;
 mod extract;
 mod health;
 mod openapi;
@@ -38,34 +39,20 @@ pub fn app(state: AppState) -> Router {
     let openapi_json = serde_json::to_string(&openapi).expect("the OpenAPI document serializes");
     api.route(
         "/openapi.json",
-        axum::routing::get(move || async move {
-            (
-                [(axum::http::header::CONTENT_TYPE, "application/json")],
-                openapi_json,
-            )
-        }),
+        axum::routing::get(
+            move || async move { ([(axum::http::header::CONTENT_TYPE, "application/json")], openapi_json) },
+        ),
     )
     .fallback(error::fallback)
     .with_state(state)
     // Router::layer: the last added is the outermost.
     .layer(RequestBodyLimitLayer::new(BODY_LIMIT_BYTES))
-    .layer(TimeoutLayer::with_status_code(
-        StatusCode::REQUEST_TIMEOUT,
-        RESPONSE_HEAD_TIMEOUT,
-    ))
+    .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, RESPONSE_HEAD_TIMEOUT))
     .layer(CatchPanicLayer::custom(|_| {
-        axum::response::IntoResponse::into_response(ApiError::internal(anyhow::anyhow!(
-            "handler panicked"
-        )))
+        axum::response::IntoResponse::into_response(ApiError::internal(anyhow::anyhow!("handler panicked")))
     }))
-    .layer(SetResponseHeaderLayer::if_not_present(
-        CACHE_CONTROL,
-        HeaderValue::from_static("private, no-store"),
-    ))
-    .layer(SetResponseHeaderLayer::if_not_present(
-        X_CONTENT_TYPE_OPTIONS,
-        HeaderValue::from_static("nosniff"),
-    ))
+    .layer(SetResponseHeaderLayer::if_not_present(CACHE_CONTROL, HeaderValue::from_static("private, no-store")))
+    .layer(SetResponseHeaderLayer::if_not_present(X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff")))
     .layer(PropagateRequestIdLayer::new(REQUEST_ID))
     .layer(
         TraceLayer::new_for_http()
@@ -80,15 +67,8 @@ pub fn app(state: AppState) -> Router {
 /// The span of one request: route template and ids only. The query string is left out on
 /// purpose: it may carry a signed link token.
 fn request_span(request: &Request) -> tracing::Span {
-    let route = request
-        .extensions()
-        .get::<MatchedPath>()
-        .map_or("-", |p| p.as_str());
-    let request_id = request
-        .headers()
-        .get(&REQUEST_ID)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("-");
+    let route = request.extensions().get::<MatchedPath>().map_or("-", |p| p.as_str());
+    let request_id = request.headers().get(&REQUEST_ID).and_then(|v| v.to_str().ok()).unwrap_or("-");
     tracing::info_span!(
         "request",
         method = %request.method(),
@@ -101,17 +81,9 @@ fn request_span(request: &Request) -> tracing::Span {
 
 /// A client may pass its own request id for correlation, but only a short, plain one.
 async fn drop_untrusted_request_id(mut request: Request) -> Request {
-    let trusted = request
-        .headers()
-        .get(&REQUEST_ID)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|id| {
-            !id.is_empty()
-                && id.len() <= 64
-                && id
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-        });
+    let trusted = request.headers().get(&REQUEST_ID).and_then(|v| v.to_str().ok()).is_some_and(|id| {
+        !id.is_empty() && id.len() <= 64 && id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    });
     if !trusted {
         request.headers_mut().remove(&REQUEST_ID);
     }
@@ -127,14 +99,12 @@ pub async fn serve(
     drain: Duration,
 ) -> std::io::Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let server = axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(async move {
-        shutdown.await;
-        let _ = stop_tx.send(true);
-    });
+    let server = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).with_graceful_shutdown(
+        async move {
+            shutdown.await;
+            let _ = stop_tx.send(true);
+        },
+    );
     let deadline = async move {
         let mut stop_rx = stop_rx;
         let _ = stop_rx.wait_for(|stopped| *stopped).await;

@@ -2,16 +2,15 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use utoipa::ToSchema;
 use utoipa_axum::{router::OpenApiRouter, routes};
 
 use super::error::{ApiError, ApiResult};
-use super::extract::Path;
+use super::extract::{JsonBody, Path};
 use super::state::AppState;
 use crate::auth::Caller;
 use crate::records::{self, BatchOutcome, RecordWrite, WriteError};
@@ -21,9 +20,7 @@ use crate::tenants::{Column, DatasetSchema};
 pub const MAX_BATCH: usize = 10_000;
 
 pub fn router() -> OpenApiRouter<AppState> {
-    OpenApiRouter::new()
-        .routes(routes!(list_datasets))
-        .routes(routes!(ingest))
+    OpenApiRouter::new().routes(routes!(list_datasets)).routes(routes!(ingest))
 }
 
 #[derive(Serialize, ToSchema)]
@@ -46,12 +43,8 @@ pub struct DatasetView {
 #[utoipa::path(get, path = "/v1/datasets", tag = "datasets", security(("bearer" = [])),
     responses((status = 200, body = DatasetList), (status = 401, description = "no or bad token")))]
 async fn list_datasets(caller: Caller) -> axum::Json<DatasetList> {
-    let row_filter: Map<String, Value> = caller
-        .principal
-        .row_filter
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.clone()))
-        .collect();
+    let row_filter: Map<String, Value> =
+        caller.principal.row_filter.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
     let datasets = caller
         .tenant
         .datasets
@@ -92,104 +85,48 @@ async fn ingest(
     State(state): State<AppState>,
     caller: Caller,
     Path(dataset): Path<String>,
-    headers: HeaderMap,
-    body: Bytes,
+    JsonBody(batch): JsonBody<Vec<IngestRecord>>,
 ) -> ApiResult<axum::Json<BatchOutcome>> {
     if !caller.principal.is_admin() {
         return Err(ApiError::forbidden("only tenant admins can write records"));
     }
     let schema = exposed_dataset(&caller, &dataset)?;
-    require_json(&headers)?;
-    let writes = parse_batch(&body)?;
-    records::write_batch(&state.pool, &caller.tenant.id, &schema.name, &writes)
-        .await
-        .map(axum::Json)
-        .map_err(|e| match e {
-            WriteError::Invalid {
-                index,
-                field,
-                message,
-            } => invalid_record(index, &field, message),
+    let writes = into_writes(batch)?;
+    records::write_batch(&state.pool, &caller.tenant.id, &schema.name, &writes).await.map(axum::Json).map_err(|e| {
+        match e {
+            WriteError::Invalid { index, field, message } => invalid_record(index, &field, message),
             WriteError::Database(e) => ApiError::internal(e),
-        })
+        }
+    })
 }
 
 /// The dataset if the caller's tenant exposes it; otherwise the same 404 for "absent" and "not yours".
 pub fn exposed_dataset(caller: &Caller, name: &str) -> ApiResult<Arc<DatasetSchema>> {
-    caller.tenant.dataset(name).cloned().ok_or_else(|| {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            "dataset-not-found",
-            "no such dataset",
-        )
-    })
+    caller
+        .tenant
+        .dataset(name)
+        .cloned()
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "dataset-not-found", "no such dataset"))
 }
 
-fn require_json(headers: &HeaderMap) -> ApiResult<()> {
-    let content_type = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    let essence = content_type.split(';').next().unwrap_or("").trim();
-    if essence.eq_ignore_ascii_case("application/json") {
-        Ok(())
-    } else {
-        Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported-media-type",
-            "send the records as application/json",
-        ))
-    }
-}
-
-fn parse_batch(body: &[u8]) -> ApiResult<Vec<RecordWrite>> {
-    let mut deserializer = serde_json::Deserializer::from_slice(body);
-    let batch: Vec<IngestRecord> =
-        serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
-            let path = e.path().to_string();
-            let field = if path == "." { "body".to_owned() } else { path };
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid-body",
-                e.inner().to_string(),
-            )
-            .with("field", field)
-        })?;
+fn into_writes(batch: Vec<IngestRecord>) -> ApiResult<Vec<RecordWrite>> {
     if batch.is_empty() || batch.len() > MAX_BATCH {
-        return Err(ApiError::invalid_field(
-            "body",
-            format!("send between 1 and {MAX_BATCH} records per request"),
-        ));
+        return Err(ApiError::invalid_field("body", format!("send between 1 and {MAX_BATCH} records per request")));
     }
     batch
         .into_iter()
         .enumerate()
         .map(|(index, record)| match (record.deleted, record.data) {
-            (false, Some(data)) => Ok(RecordWrite::Upsert {
-                key: record.key,
-                data,
-            }),
+            (false, Some(data)) => Ok(RecordWrite::Upsert { key: record.key, data }),
             (true, None) => Ok(RecordWrite::Delete { key: record.key }),
-            (true, Some(_)) => Err(invalid_record(
-                index,
-                "data",
-                "a delete carries no data".into(),
-            )),
-            (false, None) => Err(invalid_record(
-                index,
-                "data",
-                "data is required unless deleted is true".into(),
-            )),
+            (true, Some(_)) => Err(invalid_record(index, "data", "a delete carries no data".into())),
+            (false, None) => Err(invalid_record(index, "data", "data is required unless deleted is true".into())),
         })
         .collect()
 }
 
 fn invalid_record(index: usize, field: &str, message: String) -> ApiError {
-    ApiError::new(
-        StatusCode::BAD_REQUEST,
-        "invalid-record",
-        format!("record {index}: {field}: {message}"),
-    )
-    .with("index", index)
-    .with("field", format!("[{index}].{field}"))
+    ApiError::new(StatusCode::BAD_REQUEST, "invalid-record", format!("record {index}: {field}: {message}"))
+        .with("index", index)
+        .with("field", format!("[{index}].{field}"))
 }

@@ -18,13 +18,8 @@ pub const INVALID_RECORD_SQLSTATE: &str = "EXD01";
 /// One write of an ingest batch.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RecordWrite {
-    Upsert {
-        key: String,
-        data: Map<String, Value>,
-    },
-    Delete {
-        key: String,
-    },
+    Upsert { key: String, data: Map<String, Value> },
+    Delete { key: String },
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -36,11 +31,7 @@ pub struct BatchOutcome {
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
     #[error("record {index}: {field}: {message}")]
-    Invalid {
-        index: usize,
-        field: String,
-        message: String,
-    },
+    Invalid { index: usize, field: String, message: String },
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }
@@ -97,30 +88,58 @@ pub struct Record {
     pub data: Value,
 }
 
-/// Up to `limit` records of a dataset as they were at `snapshot`, in key (byte) order, starting
-/// after key `after`. Exact from any transaction that began after the snapshot was taken.
-pub async fn read_as_of<'e>(
-    executor: impl PgExecutor<'e>,
-    tenant: &TenantId,
-    dataset: &DatasetName,
-    snapshot: &Snapshot,
-    after: Option<&str>,
-    limit: i64,
-) -> sqlx::Result<Vec<Record>> {
-    sqlx::query_as(
-        "SELECT v.key, v.data FROM record_versions v
-         WHERE v.tenant = $1 AND v.dataset = $2 AND v.key > $4
-           AND pg_visible_in_snapshot(v.created_xid, $3::pg_snapshot)
-           AND (v.closed_xid IS NULL OR NOT pg_visible_in_snapshot(v.closed_xid, $3::pg_snapshot))
-           AND v.data IS NOT NULL
-         ORDER BY v.key
-         LIMIT $5",
-    )
-    .bind(tenant.as_str())
-    .bind(dataset.as_str())
-    .bind(snapshot.as_str())
-    .bind(after.unwrap_or(""))
-    .bind(limit)
-    .fetch_all(executor)
-    .await
+/// "The dataset as of a snapshot", optionally narrowed by column = value filters.
+#[derive(Debug, Clone)]
+pub struct AsOf<'a> {
+    pub tenant: &'a TenantId,
+    pub dataset: &'a DatasetName,
+    pub snapshot: &'a Snapshot,
+    /// JSON objects every record's data must contain (`data @> filter`), e.g. a request filter
+    /// and a partner's row filter. Empty objects match everything.
+    pub filters: [&'a Value; 2],
+}
+
+impl<'a> AsOf<'a> {
+    pub fn new(tenant: &'a TenantId, dataset: &'a DatasetName, snapshot: &'a Snapshot) -> Self {
+        static EMPTY: Value = Value::Null;
+        AsOf { tenant, dataset, snapshot, filters: [&EMPTY, &EMPTY] }
+    }
+
+    /// Up to `limit` records in key (byte) order after key `after`. Exact from any transaction
+    /// that began after the snapshot was taken; no transaction needs to stay open between pages.
+    pub async fn page<'e>(
+        &self,
+        executor: impl PgExecutor<'e>,
+        after: Option<&str>,
+        limit: i64,
+    ) -> sqlx::Result<Vec<Record>> {
+        sqlx::query_as(
+            "SELECT v.key, v.data FROM record_versions v
+             WHERE v.tenant = $1 AND v.dataset = $2 AND v.key > $4
+               AND pg_visible_in_snapshot(v.created_xid, $3::pg_snapshot)
+               AND (v.closed_xid IS NULL OR NOT pg_visible_in_snapshot(v.closed_xid, $3::pg_snapshot))
+               AND v.data IS NOT NULL
+               AND ($6::jsonb IS NULL OR v.data @> $6)
+               AND ($7::jsonb IS NULL OR v.data @> $7)
+             ORDER BY v.key
+             LIMIT $5",
+        )
+        .bind(self.tenant.as_str())
+        .bind(self.dataset.as_str())
+        .bind(self.snapshot.as_str())
+        .bind(after.unwrap_or(""))
+        .bind(limit)
+        .bind(non_null(self.filters[0]))
+        .bind(non_null(self.filters[1]))
+        .fetch_all(executor)
+        .await
+    }
+}
+
+fn non_null(filter: &Value) -> Option<&Value> {
+    match filter {
+        Value::Null => None,
+        Value::Object(map) if map.is_empty() => None,
+        other => Some(other),
+    }
 }

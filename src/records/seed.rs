@@ -35,9 +35,7 @@ pub async fn seed(
     sqlx::query("CREATE TEMP TABLE seed_rows (key text COLLATE \"C\" NOT NULL, data jsonb NOT NULL) ON COMMIT DROP")
         .execute(&mut *tx)
         .await?;
-    let mut copy = tx
-        .copy_in_raw("COPY seed_rows (key, data) FROM STDIN")
-        .await?;
+    let mut copy = tx.copy_in_raw("COPY seed_rows (key, data) FROM STDIN").await?;
     let mut buf = String::with_capacity(COPY_CHUNK_BYTES + 4096);
     for i in start..start + rows {
         let key = format!("{}-{i:09}", schema.name);
@@ -85,10 +83,7 @@ pub async fn seed(
     .await
     .context("writing seeded versions")?;
     tx.commit().await?;
-    Ok(SeedReport {
-        rows,
-        elapsed_ms: began.elapsed().as_millis(),
-    })
+    Ok(SeedReport { rows, elapsed_ms: began.elapsed().as_millis() })
 }
 
 /// COPY text format: backslash, tab, newline and carriage return are escaped.
@@ -154,25 +149,11 @@ const WORDS: &[&str] = &[
     "emoji 🚀",
     "tab\there",
 ];
-const FORMULA_STARTS: &[&str] = &[
-    "=",
-    "+",
-    "-",
-    "@",
-    "\t",
-    "=HYPERLINK(\"http://x\")",
-    "+1 555",
-    "-2+3",
-    "@SUM(A1)",
-];
+const FORMULA_STARTS: &[&str] = &["=", "+", "-", "@", "\t", "=HYPERLINK(\"http://x\")", "+1 555", "-2+3", "@SUM(A1)"];
 const REGIONS: &[&str] = &["emea", "amer", "apac"];
 const STATUSES: &[&str] = &["new", "open", "pending", "solved", "closed"];
 
-pub(crate) fn synthetic_record(
-    schema: &DatasetSchema,
-    index: u64,
-    seed: u64,
-) -> Map<String, Value> {
+pub(crate) fn synthetic_record(schema: &DatasetSchema, index: u64, seed: u64) -> Map<String, Value> {
     let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ index);
     let mut data = Map::new();
     for column in &schema.columns {
@@ -186,17 +167,8 @@ pub(crate) fn synthetic_record(
             ColumnType::String => match name {
                 "region" => json!(rng.pick(REGIONS)),
                 "status" => json!(rng.pick(STATUSES)),
-                "email" => json!(format!(
-                    "user{}@example.{}",
-                    rng.below(100_000),
-                    rng.pick(&["com", "org", "de"])
-                )),
-                "phone" => json!(format!(
-                    "+{} {:03} {:04}",
-                    1 + rng.below(98),
-                    rng.below(1000),
-                    rng.below(10_000)
-                )),
+                "email" => json!(format!("user{}@example.{}", rng.below(100_000), rng.pick(&["com", "org", "de"]))),
+                "phone" => json!(format!("+{} {:03} {:04}", 1 + rng.below(98), rng.below(1000), rng.below(10_000))),
                 _ => json!(sentence(&mut rng, if name == "body" { 24 } else { 6 })),
             },
             ColumnType::Integer => json!(rng.below(5) as i64 - 1),
@@ -227,8 +199,7 @@ fn sentence(rng: &mut Rng, max_words: u64) -> String {
 fn timestamp(rng: &mut Rng) -> String {
     let seconds = 1_700_000_000 + rng.below(60_000_000) as i64;
     let at = time::OffsetDateTime::from_unix_timestamp(seconds).expect("in range");
-    at.format(&time::format_description::well_known::Rfc3339)
-        .expect("formats")
+    at.format(&time::format_description::well_known::Rfc3339).expect("formats")
 }
 
 #[cfg(test)]
@@ -242,41 +213,21 @@ mod tests {
     #[test]
     fn records_are_deterministic_and_vary_by_index_and_seed() {
         let schema = tickets();
-        assert_eq!(
-            synthetic_record(&schema, 7, 1),
-            synthetic_record(&schema, 7, 1)
-        );
-        assert_ne!(
-            synthetic_record(&schema, 7, 1),
-            synthetic_record(&schema, 8, 1)
-        );
-        assert_ne!(
-            synthetic_record(&schema, 7, 1),
-            synthetic_record(&schema, 7, 2)
-        );
+        assert_eq!(synthetic_record(&schema, 7, 1), synthetic_record(&schema, 7, 1));
+        assert_ne!(synthetic_record(&schema, 7, 1), synthetic_record(&schema, 8, 1));
+        assert_ne!(synthetic_record(&schema, 7, 1), synthetic_record(&schema, 7, 2));
     }
 
     #[test]
     fn text_includes_formula_starts_and_awkward_characters() {
         let schema = tickets();
-        let subjects: Vec<String> = (0..2000)
-            .filter_map(|i| {
-                synthetic_record(&schema, i, 1)["subject"]
-                    .as_str()
-                    .map(str::to_owned)
-            })
-            .collect();
+        let subjects: Vec<String> =
+            (0..2000).filter_map(|i| synthetic_record(&schema, i, 1)["subject"].as_str().map(str::to_owned)).collect();
         for start in ["=", "+", "-", "@", "\t"] {
-            assert!(
-                subjects.iter().any(|s| s.starts_with(start)),
-                "no subject starts with {start:?}"
-            );
+            assert!(subjects.iter().any(|s| s.starts_with(start)), "no subject starts with {start:?}");
         }
         for needle in ["\"", ",", "\n", "é"] {
-            assert!(
-                subjects.iter().any(|s| s.contains(needle)),
-                "no subject contains {needle:?}"
-            );
+            assert!(subjects.iter().any(|s| s.contains(needle)), "no subject contains {needle:?}");
         }
     }
 

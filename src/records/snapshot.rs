@@ -14,18 +14,14 @@ impl Snapshot {
     /// `pg_current_snapshot()` of the executor's transaction. Take it on the primary: a hot
     /// standby reports an empty in-progress list.
     pub async fn current<'e>(executor: impl PgExecutor<'e>) -> sqlx::Result<Snapshot> {
-        let text: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text")
-            .fetch_one(executor)
-            .await?;
+        let text: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text").fetch_one(executor).await?;
         Snapshot::parse(&text).map_err(sqlx::Error::Protocol)
     }
 
     pub fn parse(text: &str) -> Result<Snapshot, String> {
         let invalid = || format!("`{text}` is not a pg_snapshot");
         let mut parts = text.split(':');
-        let (Some(xmin), Some(xmax), Some(xip), None) =
-            (parts.next(), parts.next(), parts.next(), parts.next())
-        else {
+        let (Some(xmin), Some(xmax), Some(xip), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
             return Err(invalid());
         };
         let xmin: u64 = xmin.parse().map_err(|_| invalid())?;
@@ -76,16 +72,7 @@ mod tests {
     fn parses_the_text_form() {
         assert!(Snapshot::parse("7294:7298:").is_ok());
         assert!(Snapshot::parse("7294:7298:7294,7296").is_ok());
-        for bad in [
-            "",
-            "1:2",
-            "1:2:3:4",
-            "5:4:",
-            "1:5:7",
-            "a:b:",
-            "1:5:2,",
-            "1:5:;DROP",
-        ] {
+        for bad in ["", "1:2", "1:2:3:4", "5:4:", "1:5:7", "a:b:", "1:5:2,", "1:5:;DROP"] {
             assert!(Snapshot::parse(bad).is_err(), "{bad:?} accepted");
         }
     }

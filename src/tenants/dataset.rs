@@ -53,23 +53,14 @@ impl DatasetSchema {
     /// Returns the offending field path and a message.
     pub fn check(&self) -> Result<(), (String, String)> {
         if self.columns.is_empty() {
-            return Err((
-                "columns".into(),
-                "a dataset needs at least one column".into(),
-            ));
+            return Err(("columns".into(), "a dataset needs at least one column".into()));
         }
         for (i, column) in self.columns.iter().enumerate() {
             if column.name == self.key_column {
-                return Err((
-                    format!("columns[{i}].name"),
-                    format!("`{}` is already the key column", column.name),
-                ));
+                return Err((format!("columns[{i}].name"), format!("`{}` is already the key column", column.name)));
             }
             if self.columns[..i].iter().any(|c| c.name == column.name) {
-                return Err((
-                    format!("columns[{i}].name"),
-                    format!("duplicate column `{}`", column.name),
-                ));
+                return Err((format!("columns[{i}].name"), format!("duplicate column `{}`", column.name)));
             }
         }
         Ok(())
@@ -96,10 +87,8 @@ mod tests {
 
     #[test]
     fn unknown_column_types_are_refused() {
-        let err = toml::from_str::<DatasetSchema>(
-            "name='t'\nkey_column='id'\n[[columns]]\nname='a'\ntype='float'",
-        )
-        .unwrap_err();
+        let err = toml::from_str::<DatasetSchema>("name='t'\nkey_column='id'\n[[columns]]\nname='a'\ntype='float'")
+            .unwrap_err();
         assert!(err.to_string().contains("unknown variant `float`"), "{err}");
     }
 }

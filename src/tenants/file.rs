@@ -7,8 +7,8 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 use super::{
-    ColumnType, ConfigError, DatasetName, DatasetSchema, Feeds, Principal, PrincipalId, Quota,
-    Registry, Retention, Role, RowFilter, Secret, SigningKey, Tenant, TenantId,
+    ColumnType, ConfigError, DatasetName, DatasetSchema, Feeds, Principal, PrincipalId, Quota, Registry, Retention,
+    Role, RowFilter, Secret, SigningKey, Tenant, TenantId,
 };
 
 /// HS256 keys shorter than this are refused (RFC 7518 §3.2 asks for at least the hash size).
@@ -69,9 +69,7 @@ pub(super) fn load_dir(dir: &Path) -> Result<Registry, ConfigError> {
                     ),
                 });
             }
-            registry
-                .kids
-                .insert(key.kid.clone(), (tenant.id.clone(), index));
+            registry.kids.insert(key.kid.clone(), (tenant.id.clone(), index));
         }
         registry.tenants.insert(tenant.id.clone(), Arc::new(tenant));
     }
@@ -85,9 +83,7 @@ fn load_schemas(dir: &Path) -> Result<BTreeMap<DatasetName, Arc<DatasetSchema>>,
     let mut schemas = BTreeMap::new();
     for path in toml_files(dir)? {
         let schema: DatasetSchema = parse(&path)?;
-        schema
-            .check()
-            .map_err(|(field, message)| error(&path, &field, message))?;
+        schema.check().map_err(|(field, message)| error(&path, &field, message))?;
         if stem(&path) != schema.name.as_str() {
             return Err(error(&path, "name", "must match the file name"));
         }
@@ -96,10 +92,7 @@ fn load_schemas(dir: &Path) -> Result<BTreeMap<DatasetName, Arc<DatasetSchema>>,
     Ok(schemas)
 }
 
-fn load_tenant(
-    path: &Path,
-    schemas: &BTreeMap<DatasetName, Arc<DatasetSchema>>,
-) -> Result<Tenant, ConfigError> {
+fn load_tenant(path: &Path, schemas: &BTreeMap<DatasetName, Arc<DatasetSchema>>) -> Result<Tenant, ConfigError> {
     let raw: TenantFile = parse(path)?;
     if stem(path) != raw.id.as_str() {
         return Err(error(path, "id", "must match the file name"));
@@ -107,44 +100,25 @@ fn load_tenant(
     if raw.name.trim().is_empty() {
         return Err(error(path, "name", "must not be empty"));
     }
-    raw.quota
-        .check()
-        .map_err(|(field, message)| error(path, &field, message))?;
+    raw.quota.check().map_err(|(field, message)| error(path, &field, message))?;
 
     let mut datasets = BTreeMap::new();
     for (i, name) in raw.datasets.iter().enumerate() {
-        let schema = schemas.get(name).ok_or_else(|| {
-            error(
-                path,
-                &format!("datasets[{i}]"),
-                unknown_dataset(name, schemas),
-            )
-        })?;
+        let schema =
+            schemas.get(name).ok_or_else(|| error(path, &format!("datasets[{i}]"), unknown_dataset(name, schemas)))?;
         if datasets.insert(name.clone(), schema.clone()).is_some() {
-            return Err(error(
-                path,
-                &format!("datasets[{i}]"),
-                format!("`{name}` listed twice"),
-            ));
+            return Err(error(path, &format!("datasets[{i}]"), format!("`{name}` listed twice")));
         }
     }
 
     if raw.keys.is_empty() {
         return Err(error(path, "keys", "at least one signing key is required"));
     }
-    let keys = raw
-        .keys
-        .into_iter()
-        .enumerate()
-        .map(|(i, key)| signing_key(path, i, key))
-        .collect::<Result<Vec<_>, _>>()?;
+    let keys =
+        raw.keys.into_iter().enumerate().map(|(i, key)| signing_key(path, i, key)).collect::<Result<Vec<_>, _>>()?;
     for (i, key) in keys.iter().enumerate() {
         if keys[..i].iter().any(|k| k.kid == key.kid) {
-            return Err(error(
-                path,
-                &format!("keys[{i}].kid"),
-                format!("duplicate kid `{}`", key.kid),
-            ));
+            return Err(error(path, &format!("keys[{i}].kid"), format!("duplicate kid `{}`", key.kid)));
         }
     }
 
@@ -152,11 +126,7 @@ fn load_tenant(
     for (i, p) in raw.principals.into_iter().enumerate() {
         let principal = principal(path, i, p, &datasets)?;
         if principals.contains_key(&principal.id) {
-            return Err(error(
-                path,
-                &format!("principals[{i}].id"),
-                format!("duplicate principal `{}`", principal.id),
-            ));
+            return Err(error(path, &format!("principals[{i}].id"), format!("duplicate principal `{}`", principal.id)));
         }
         principals.insert(principal.id.clone(), principal);
     }
@@ -176,43 +146,23 @@ fn load_tenant(
 fn signing_key(path: &Path, i: usize, key: KeyFile) -> Result<SigningKey, ConfigError> {
     let field = |name: &str| format!("keys[{i}].{name}");
     if key.kid.is_empty() || key.kid.len() > 128 || !key.kid.chars().all(|c| c.is_ascii_graphic()) {
-        return Err(error(
-            path,
-            &field("kid"),
-            "must be 1-128 visible ASCII characters",
-        ));
+        return Err(error(path, &field("kid"), "must be 1-128 visible ASCII characters"));
     }
     let (secret, source) = match (key.secret, key.secret_env) {
         (Some(secret), None) => (secret, "secret"),
         (None, Some(var)) => {
-            let secret = std::env::var(&var).map_err(|_| {
-                error(
-                    path,
-                    &field("secret_env"),
-                    format!("environment variable `{var}` is not set"),
-                )
-            })?;
+            let secret = std::env::var(&var)
+                .map_err(|_| error(path, &field("secret_env"), format!("environment variable `{var}` is not set")))?;
             (secret, "secret_env")
         }
         _ => {
-            return Err(error(
-                path,
-                &field("secret"),
-                "give exactly one of `secret` or `secret_env`",
-            ));
+            return Err(error(path, &field("secret"), "give exactly one of `secret` or `secret_env`"));
         }
     };
     if secret.len() < MIN_SECRET_BYTES {
-        return Err(error(
-            path,
-            &field(source),
-            format!("an HS256 secret needs at least {MIN_SECRET_BYTES} bytes"),
-        ));
+        return Err(error(path, &field(source), format!("an HS256 secret needs at least {MIN_SECRET_BYTES} bytes")));
     }
-    Ok(SigningKey {
-        kid: key.kid,
-        secret: Secret(secret.into_bytes()),
-    })
+    Ok(SigningKey { kid: key.kid, secret: Secret(secret.into_bytes()) })
 }
 
 fn principal(
@@ -223,18 +173,10 @@ fn principal(
 ) -> Result<Principal, ConfigError> {
     let field = |name: &str| format!("principals[{i}].{name}");
     if p.role == Role::Admin && !p.grants.is_empty() {
-        return Err(error(
-            path,
-            &field("grants"),
-            "admins read every dataset; grants are for partners",
-        ));
+        return Err(error(path, &field("grants"), "admins read every dataset; grants are for partners"));
     }
     if p.role == Role::Admin && !p.row_filter.is_empty() {
-        return Err(error(
-            path,
-            &field("row_filter"),
-            "row filters apply to partners only",
-        ));
+        return Err(error(path, &field("row_filter"), "row filters apply to partners only"));
     }
     for (g, name) in p.grants.iter().enumerate() {
         if !datasets.contains_key(name) {
@@ -250,11 +192,7 @@ fn principal(
         for name in &p.grants {
             let schema = &datasets[name];
             let Some(col) = schema.column(column.as_str()) else {
-                return Err(error(
-                    path,
-                    &field,
-                    format!("dataset `{name}` has no column `{column}`"),
-                ));
+                return Err(error(path, &field, format!("dataset `{name}` has no column `{column}`")));
             };
             let fits = match col.ty {
                 ColumnType::String | ColumnType::Timestamp => value.is_string(),
@@ -267,10 +205,7 @@ fn principal(
                 return Err(error(
                     path,
                     &field,
-                    format!(
-                        "value does not fit column `{column}` of `{name}` ({:?})",
-                        col.ty
-                    ),
+                    format!("value does not fit column `{column}` of `{name}` ({:?})", col.ty),
                 ));
             }
         }
@@ -284,38 +219,25 @@ fn principal(
     })
 }
 
-fn unknown_dataset(
-    name: &DatasetName,
-    schemas: &BTreeMap<DatasetName, Arc<DatasetSchema>>,
-) -> String {
+fn unknown_dataset(name: &DatasetName, schemas: &BTreeMap<DatasetName, Arc<DatasetSchema>>) -> String {
     let known: Vec<&str> = schemas.keys().map(|n| n.as_str()).collect();
     format!("unknown dataset `{name}` (defined: {})", known.join(", "))
 }
 
 fn parse<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, ConfigError> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| error(path, "", format!("cannot read: {e}")))?;
+    let text = std::fs::read_to_string(path).map_err(|e| error(path, "", format!("cannot read: {e}")))?;
     toml::from_str(&text).map_err(|e| {
         // toml's message names the key ("unknown field `x`", "missing field `y`"); add the line.
         let message = match e.span() {
-            Some(span) => format!(
-                "{} (line {})",
-                e.message(),
-                text[..span.start].matches('\n').count() + 1
-            ),
+            Some(span) => format!("{} (line {})", e.message(), text[..span.start].matches('\n').count() + 1),
             None => e.message().to_owned(),
         };
-        ConfigError {
-            file: path.to_owned(),
-            field: String::new(),
-            message,
-        }
+        ConfigError { file: path.to_owned(), field: String::new(), message }
     })
 }
 
 fn toml_files(dir: &Path) -> Result<Vec<PathBuf>, ConfigError> {
-    let entries = std::fs::read_dir(dir)
-        .map_err(|e| error(dir, "", format!("cannot read directory: {e}")))?;
+    let entries = std::fs::read_dir(dir).map_err(|e| error(dir, "", format!("cannot read directory: {e}")))?;
     let mut files: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "toml"))
@@ -325,15 +247,9 @@ fn toml_files(dir: &Path) -> Result<Vec<PathBuf>, ConfigError> {
 }
 
 fn stem(path: &Path) -> &str {
-    path.file_stem()
-        .and_then(|s| s.to_str())
-        .unwrap_or_default()
+    path.file_stem().and_then(|s| s.to_str()).unwrap_or_default()
 }
 
 fn error(path: &Path, field: &str, message: impl Into<String>) -> ConfigError {
-    ConfigError {
-        file: path.to_owned(),
-        field: field.to_owned(),
-        message: message.into(),
-    }
+    ConfigError { file: path.to_owned(), field: field.to_owned(), message: message.into() }
 }

@@ -28,13 +28,7 @@ impl fmt::Display for ConfigError {
         if self.field.is_empty() {
             write!(f, "{}: {}", self.file.display(), self.message)
         } else {
-            write!(
-                f,
-                "{}: {}: {}",
-                self.file.display(),
-                self.field,
-                self.message
-            )
+            write!(f, "{}: {}: {}", self.file.display(), self.field, self.message)
         }
     }
 }

@@ -37,10 +37,7 @@ impl Quota {
         let positive = [
             ("max_running_exports", u64::from(self.max_running_exports)),
             ("max_rows_per_export", self.max_rows_per_export),
-            (
-                "api_requests_per_second",
-                u64::from(self.api_requests_per_second),
-            ),
+            ("api_requests_per_second", u64::from(self.api_requests_per_second)),
             ("api_burst", u64::from(self.api_burst)),
             ("scan_rows_per_second", u64::from(self.scan_rows_per_second)),
         ];
@@ -64,10 +61,7 @@ pub struct Retention {
 
 impl Default for Retention {
     fn default() -> Self {
-        Retention {
-            artifact_hours: 72,
-            tombstone_days: 30,
-        }
+        Retention { artifact_hours: 72, tombstone_days: 30 }
     }
 }
 
@@ -80,8 +74,6 @@ pub struct Feeds {
 
 impl Default for Feeds {
     fn default() -> Self {
-        Feeds {
-            safety_delay_seconds: 5,
-        }
+        Feeds { safety_delay_seconds: 5 }
     }
 }

@@ -6,7 +6,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::path::Path;
+
 use exportd::http::{self, AppState};
+use exportd::jobs::{Step, WorkerConfig, WorkerDeps};
+use exportd::storage::ArtifactStore;
 use exportd::tenants::{Registry, Tenant};
 use serde_json::Value;
 use sqlx::PgPool;
@@ -22,9 +26,7 @@ pub fn fixture_registry() -> Arc<Registry> {
 /// Copies the fixture catalogue into the test database, as `serve` does at start-up.
 pub async fn prepare_db(pool: &PgPool) -> Arc<Registry> {
     let registry = fixture_registry();
-    exportd::db::sync_catalogue(pool, &registry)
-        .await
-        .expect("catalogue sync");
+    exportd::db::sync_catalogue(pool, &registry).await.expect("catalogue sync");
     registry
 }
 
@@ -33,31 +35,82 @@ pub struct TestApp {
     pub pool: PgPool,
     pub registry: Arc<Registry>,
     pub client: reqwest::Client,
+    pub data_dir: tempfile::TempDir,
 }
 
 impl TestApp {
     pub async fn spawn(pool: PgPool) -> TestApp {
         let registry = prepare_db(&pool).await;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().unwrap();
-        let app = http::app(AppState {
-            pool: pool.clone(),
-            registry: registry.clone(),
-        });
-        tokio::spawn(http::serve(
-            listener,
-            app,
-            std::future::pending(),
-            Duration::from_secs(1),
-        ));
-        TestApp {
-            addr,
-            pool,
+        let app = http::app(AppState { pool: pool.clone(), registry: registry.clone() });
+        tokio::spawn(http::serve(listener, app, std::future::pending(), Duration::from_secs(1)));
+        let data_dir = tempfile::tempdir().expect("temp dir");
+        TestApp { addr, pool, registry, client: reqwest::Client::new(), data_dir }
+    }
+
+    /// Worker dependencies over this app's database and artifact directory. Pages of 7 rows
+    /// make every shard span several pages.
+    pub fn deps(&self) -> WorkerDeps {
+        self.deps_with(self.registry.clone(), self.data_dir.path())
+    }
+
+    pub fn deps_with(&self, registry: Arc<Registry>, data_dir: &Path) -> WorkerDeps {
+        WorkerDeps {
+            pool: self.pool.clone(),
             registry,
-            client: reqwest::Client::new(),
+            store: ArtifactStore::open(data_dir).expect("artifact store"),
+            config: WorkerConfig { page_rows: 7, ..WorkerConfig::default() },
         }
+    }
+
+    /// Runs workers until no job is left; returns how each run ended.
+    pub async fn drain(&self) -> Vec<Step> {
+        exportd::jobs::drain(&self.deps(), "test-worker").await.expect("worker ran")
+    }
+
+    pub async fn create_export(&self, token: &str, key: Option<&str>, body: &Value) -> reqwest::Response {
+        let mut request = self.client.post(self.url("/v1/exports")).bearer_auth(token).json(body);
+        if let Some(key) = key {
+            request = request.header("Idempotency-Key", key);
+        }
+        request.send().await.expect("request sent")
+    }
+
+    /// Creates an export that must be accepted; returns its id.
+    pub async fn export(&self, token: &str, body: &Value) -> String {
+        let response = self.create_export(token, Some(&uuid::Uuid::new_v4().to_string()), body).await;
+        assert_eq!(response.status(), 202);
+        response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned()
+    }
+
+    pub async fn post(&self, token: &str, path: &str) -> reqwest::Response {
+        self.client.post(self.url(path)).bearer_auth(token).send().await.expect("request sent")
+    }
+
+    /// Seeds `rows` synthetic records of `dataset` for `tenant`.
+    pub async fn seed(&self, tenant: &str, dataset: &str, rows: u64) {
+        let t = self.tenant(tenant);
+        exportd::records::seed(&self.pool, &t.id, t.dataset(dataset).unwrap(), 0, rows, 1).await.unwrap();
+    }
+
+    /// The shard files of an export, in order, read from `data_dir`.
+    pub async fn shard_files(&self, export_id: &str, data_dir: &Path) -> Vec<Vec<u8>> {
+        let keys: Vec<String> =
+            sqlx::query_scalar("SELECT object_key FROM export_shards WHERE export_id = $1::uuid ORDER BY shard_index")
+                .bind(export_id)
+                .fetch_all(&self.pool)
+                .await
+                .unwrap();
+        keys.iter().map(|k| std::fs::read(data_dir.join("objects").join(k)).expect("shard file")).collect()
+    }
+
+    pub async fn state(&self, export_id: &str) -> String {
+        sqlx::query_scalar("SELECT state FROM export_jobs WHERE id = $1::uuid")
+            .bind(export_id)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -94,10 +147,7 @@ impl TestApp {
 
 /// The body of a problem+json response, after checking its content type.
 pub async fn problem(response: reqwest::Response) -> Value {
-    let content_type = response.headers()["content-type"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let content_type = response.headers()["content-type"].to_str().unwrap().to_owned();
     assert_eq!(content_type, "application/problem+json");
     response.json().await.unwrap()
 }
@@ -106,15 +156,52 @@ pub async fn problem(response: reqwest::Response) -> Value {
 /// `pg_blocking_pids`, a real condition, not a guessed sleep).
 pub async fn wait_until_blocked(pool: &PgPool, pid: i32) {
     for _ in 0..1000 {
-        let blocked: bool = sqlx::query_scalar("SELECT cardinality(pg_blocking_pids($1)) > 0")
-            .bind(pid)
-            .fetch_one(pool)
-            .await
-            .unwrap();
+        let blocked: bool =
+            sqlx::query_scalar("SELECT cardinality(pg_blocking_pids($1)) > 0").bind(pid).fetch_one(pool).await.unwrap();
         if blocked {
             return;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     panic!("backend {pid} did not block on a lock within 5 s");
+}
+
+/// gunzip (all members).
+pub fn gunzip(bytes: &[u8]) -> Vec<u8> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    flate2::read::MultiGzDecoder::new(bytes).read_to_end(&mut out).unwrap();
+    out
+}
+
+/// The records of a CSV shard: header row and data rows, parsed with the `csv` crate.
+pub fn csv_rows(shard: &[u8]) -> Vec<Vec<String>> {
+    let text = gunzip(shard);
+    let text = text.strip_prefix(b"\xEF\xBB\xBF").expect("CSV shards start with a BOM");
+    csv::ReaderBuilder::new()
+        .has_headers(false)
+        .from_reader(text)
+        .records()
+        .map(|r| r.unwrap().iter().map(str::to_owned).collect())
+        .collect()
+}
+
+/// A copy of the fixture tenants with `edit` applied to one tenant file's text.
+pub fn edited_registry(tenant: &str, edit: impl Fn(&str) -> String) -> Arc<Registry> {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("datasets")).unwrap();
+    for entry in std::fs::read_dir(fixture_tenants_dir().join("datasets")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join("datasets").join(entry.file_name())).unwrap();
+    }
+    for entry in std::fs::read_dir(fixture_tenants_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_file() {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let name = path.file_name().unwrap();
+            let text = if name == format!("{tenant}.toml").as_str() { edit(&text) } else { text };
+            std::fs::write(dir.path().join(name), text).unwrap();
+        }
+    }
+    Arc::new(Registry::load(dir.path()).unwrap())
 }

@@ -1,0 +1,324 @@
+//! Export jobs: creation with an idempotency key and a sealed snapshot watermark, reading,
+//! listing, cancelling, and the published manifest. Workers run them (see `jobs`).
+
+mod manifest;
+mod request;
+mod state;
+
+use base64::Engine;
+use serde_json::Value;
+use sqlx::PgPool;
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+pub use manifest::{MANIFEST_VERSION, Manifest, ManifestShard, shard_name};
+pub use request::{DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode};
+pub use state::ExportState;
+
+use crate::auth::Caller;
+use crate::writers::sha256_hex;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error("{field}: {detail}")]
+    InvalidField { field: String, detail: String },
+    #[error("{field}: {detail}")]
+    NotImplemented { field: &'static str, detail: &'static str },
+    #[error("no such dataset")]
+    DatasetNotFound,
+    #[error("the dataset is not granted to this principal")]
+    DatasetNotGranted,
+    #[error("this Idempotency-Key was already used with a different request")]
+    IdempotencyKeyReused,
+    #[error("no such export")]
+    NotFound,
+    #[error("the export is already {}", .0.as_str())]
+    AlreadyTerminal(ExportState),
+    #[error("the export is {}, not SUCCEEDED", .0.as_str())]
+    NotPublished(ExportState),
+    #[error("the export is {}; it has no files", .0.as_str())]
+    Gone(ExportState),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// `Idempotency-Key`: 1 to 255 visible ASCII characters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    pub fn parse(text: &str) -> Result<IdempotencyKey, String> {
+        if (1..=255).contains(&text.len()) && text.bytes().all(|b| b.is_ascii_graphic()) {
+            Ok(IdempotencyKey(text.to_owned()))
+        } else {
+            Err("must be 1 to 255 visible ASCII characters".to_owned())
+        }
+    }
+}
+
+/// One export job as stored.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct ExportJob {
+    pub id: Uuid,
+    pub tenant: String,
+    pub principal: String,
+    pub dataset: String,
+    pub mode: String,
+    pub format: String,
+    pub request: Value,
+    pub request_sha256: String,
+    #[sqlx(try_from = "String")]
+    pub state: ExportState,
+    pub watermark: String,
+    pub columns: Value,
+    pub filter: Value,
+    pub row_filter: Value,
+    pub shard_rows: i32,
+    pub created_at: OffsetDateTime,
+    pub started_at: Option<OffsetDateTime>,
+    pub finished_at: Option<OffsetDateTime>,
+    pub lease_generation: i64,
+    pub attempts: i32,
+    pub shards_done: i32,
+    pub rows_done: i64,
+    pub bytes_done: i64,
+    pub error_code: Option<String>,
+    pub error_detail: Option<String>,
+    pub manifest_sha256: Option<String>,
+}
+
+/// The SELECT list matching [`ExportJob`].
+pub(crate) const JOB_COLUMNS: &str = "id, tenant, principal, dataset, mode, format, request, request_sha256, state, \
+     watermark::text AS watermark, columns, filter, row_filter, shard_rows, created_at, started_at, finished_at, \
+     lease_generation, attempts, shards_done, rows_done, bytes_done, error_code, error_detail, manifest_sha256";
+
+/// The outcome of a create: the job, and whether it already existed for this key.
+#[derive(Debug)]
+pub struct Created {
+    pub job: ExportJob,
+    pub replayed: bool,
+}
+
+/// Creates an export job, or replays the one created earlier with the same key and request.
+///
+/// One transaction authorizes (the grant and row filter are frozen into the job), takes
+/// `pg_current_snapshot()` as the watermark and inserts the job QUEUED. A concurrent create with
+/// the same key loses on the unique constraint and is answered as a replay.
+pub async fn create(
+    pool: &PgPool,
+    caller: &Caller,
+    key: &IdempotencyKey,
+    request: &ExportRequest,
+) -> Result<Created, ExportError> {
+    let (canonical, canonical_text) = request.canonical();
+    let request_sha256 = sha256_hex(canonical_text.as_bytes());
+    if let Some(existing) = find_by_key(pool, caller, key).await? {
+        return replay(existing, &request_sha256);
+    }
+    let spec = ExportSpec::validate(request, caller)?;
+    let inserted: Option<ExportJob> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO export_jobs (id, tenant, principal, dataset, mode, format, request, request_sha256,
+             idempotency_key, columns, filter, row_filter, shard_rows, watermark)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, pg_current_snapshot())
+         ON CONFLICT ON CONSTRAINT export_jobs_idempotency_key DO NOTHING
+         RETURNING {JOB_COLUMNS}"
+    )))
+    .bind(Uuid::new_v4())
+    .bind(caller.tenant.id.as_str())
+    .bind(caller.principal.id.as_str())
+    .bind(spec.dataset.as_str())
+    .bind(spec.mode.as_str())
+    .bind(format_name(spec.format))
+    .bind(&canonical)
+    .bind(&request_sha256)
+    .bind(&key.0)
+    .bind(serde_json::to_value(&spec.columns).expect("serializable"))
+    .bind(Value::Object(spec.filter))
+    .bind(Value::Object(spec.row_filter))
+    .bind(spec.shard_rows as i32)
+    .fetch_optional(pool)
+    .await?;
+    match inserted {
+        Some(job) => Ok(Created { job, replayed: false }),
+        None => {
+            let existing = find_by_key(pool, caller, key).await?.ok_or(ExportError::NotFound)?;
+            replay(existing, &request_sha256)
+        }
+    }
+}
+
+fn replay(existing: ExportJob, request_sha256: &str) -> Result<Created, ExportError> {
+    if existing.request_sha256 == request_sha256 {
+        Ok(Created { job: existing, replayed: true })
+    } else {
+        Err(ExportError::IdempotencyKeyReused)
+    }
+}
+
+async fn find_by_key(pool: &PgPool, caller: &Caller, key: &IdempotencyKey) -> sqlx::Result<Option<ExportJob>> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {JOB_COLUMNS} FROM export_jobs WHERE tenant = $1 AND principal = $2 AND idempotency_key = $3"
+    )))
+    .bind(caller.tenant.id.as_str())
+    .bind(caller.principal.id.as_str())
+    .bind(&key.0)
+    .fetch_optional(pool)
+    .await
+}
+
+pub fn format_name(format: crate::writers::Format) -> &'static str {
+    match format {
+        crate::writers::Format::Csv => "csv",
+        crate::writers::Format::Jsonl => "jsonl",
+    }
+}
+
+/// The job if the caller may see it: admins see their tenant's jobs, partners their own.
+/// Anything else — another tenant's job, another partner's, a made-up id — is `NotFound`.
+pub async fn get(pool: &PgPool, caller: &Caller, id: Uuid) -> Result<ExportJob, ExportError> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {JOB_COLUMNS} FROM export_jobs WHERE id = $1 AND tenant = $2 AND ($3 OR principal = $4)"
+    )))
+    .bind(id)
+    .bind(caller.tenant.id.as_str())
+    .bind(caller.principal.is_admin())
+    .bind(caller.principal.id.as_str())
+    .fetch_optional(pool)
+    .await?
+    .ok_or(ExportError::NotFound)
+}
+
+/// A page of the caller's jobs, newest first.
+pub struct Page {
+    pub jobs: Vec<ExportJob>,
+    pub next_cursor: Option<String>,
+}
+
+/// Keyset-paginated listing; `cursor` is the opaque `next_cursor` of the previous page.
+pub async fn list(
+    pool: &PgPool,
+    caller: &Caller,
+    state: Option<ExportState>,
+    cursor: Option<&str>,
+    limit: u32,
+) -> Result<Page, ExportError> {
+    let after = cursor.map(decode_list_cursor).transpose()?;
+    let mut jobs: Vec<ExportJob> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {JOB_COLUMNS} FROM export_jobs
+         WHERE tenant = $1 AND ($2 OR principal = $3) AND ($4::text IS NULL OR state = $4)
+           AND ($5::timestamptz IS NULL OR (created_at, id) < ($5, $6))
+         ORDER BY created_at DESC, id DESC
+         LIMIT $7"
+    )))
+    .bind(caller.tenant.id.as_str())
+    .bind(caller.principal.is_admin())
+    .bind(caller.principal.id.as_str())
+    .bind(state.map(ExportState::as_str))
+    .bind(after.map(|(at, _)| at))
+    .bind(after.map(|(_, id)| id))
+    .bind(i64::from(limit) + 1)
+    .fetch_all(pool)
+    .await?;
+    let next_cursor = if jobs.len() > limit as usize {
+        jobs.truncate(limit as usize);
+        jobs.last().map(|j| encode_list_cursor(j.created_at, j.id))
+    } else {
+        None
+    };
+    Ok(Page { jobs, next_cursor })
+}
+
+fn encode_list_cursor(at: OffsetDateTime, id: Uuid) -> String {
+    let micros = at.unix_timestamp_nanos() / 1000;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{micros}/{id}"))
+}
+
+fn decode_list_cursor(cursor: &str) -> Result<(OffsetDateTime, Uuid), ExportError> {
+    let invalid =
+        || ExportError::InvalidField { field: "cursor".into(), detail: "not a cursor from this listing".into() };
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(cursor).map_err(|_| invalid())?;
+    let text = String::from_utf8(bytes).map_err(|_| invalid())?;
+    let (micros, id) = text.split_once('/').ok_or_else(invalid)?;
+    let micros: i128 = micros.parse().map_err(|_| invalid())?;
+    let at = OffsetDateTime::from_unix_timestamp_nanos(micros * 1000).map_err(|_| invalid())?;
+    Ok((at, id.parse().map_err(|_| invalid())?))
+}
+
+/// What a cancel request did.
+pub enum Cancel {
+    /// QUEUED or RUNNING became CANCEL_REQUESTED.
+    Requested(ExportJob),
+    /// Already CANCEL_REQUESTED or CANCELLED: nothing changed.
+    AlreadyCancelling(ExportJob),
+}
+
+pub async fn cancel(pool: &PgPool, caller: &Caller, id: Uuid) -> Result<Cancel, ExportError> {
+    let mut tx = pool.begin().await?;
+    // The row lock orders this against a worker's conditional publish: whichever commits
+    // first wins, and the other sees the new state.
+    let job: ExportJob = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {JOB_COLUMNS} FROM export_jobs WHERE id = $1 AND tenant = $2 AND ($3 OR principal = $4) FOR UPDATE"
+    )))
+    .bind(id)
+    .bind(caller.tenant.id.as_str())
+    .bind(caller.principal.is_admin())
+    .bind(caller.principal.id.as_str())
+    .fetch_optional(&mut *tx)
+    .await?
+    .ok_or(ExportError::NotFound)?;
+    match job.state {
+        ExportState::Queued | ExportState::Running => {
+            let job: ExportJob = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "UPDATE export_jobs SET state = 'CANCEL_REQUESTED' WHERE id = $1 RETURNING {JOB_COLUMNS}"
+            )))
+            .bind(id)
+            .fetch_one(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            Ok(Cancel::Requested(job))
+        }
+        ExportState::CancelRequested | ExportState::Cancelled => Ok(Cancel::AlreadyCancelling(job)),
+        terminal => Err(ExportError::AlreadyTerminal(terminal)),
+    }
+}
+
+/// The published manifest bytes and their sha256.
+pub async fn manifest(pool: &PgPool, caller: &Caller, id: Uuid) -> Result<(Vec<u8>, String), ExportError> {
+    let job = get(pool, caller, id).await?;
+    match job.state {
+        ExportState::Succeeded => {}
+        ExportState::Queued | ExportState::Running | ExportState::CancelRequested => {
+            return Err(ExportError::NotPublished(job.state));
+        }
+        gone => return Err(ExportError::Gone(gone)),
+    }
+    let (bytes, sha256): (Vec<u8>, String) =
+        sqlx::query_as("SELECT manifest, manifest_sha256 FROM export_jobs WHERE id = $1 AND state = 'SUCCEEDED'")
+            .bind(id)
+            .fetch_one(pool)
+            .await?;
+    Ok((bytes, sha256))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idempotency_keys_are_visible_ascii() {
+        assert!(IdempotencyKey::parse("a").is_ok());
+        assert!(IdempotencyKey::parse(&"k".repeat(255)).is_ok());
+        for bad in ["", "has space", "tab\t", "é", &"k".repeat(256)] {
+            assert!(IdempotencyKey::parse(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn list_cursors_round_trip_and_reject_garbage() {
+        let at = OffsetDateTime::from_unix_timestamp_nanos(1_764_500_000_123_456_000).unwrap();
+        let id = Uuid::new_v4();
+        assert_eq!(decode_list_cursor(&encode_list_cursor(at, id)).unwrap(), (at, id));
+        assert!(decode_list_cursor("garbage!").is_err());
+        assert!(decode_list_cursor("Zm9v").is_err());
+    }
+}

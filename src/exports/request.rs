@@ -1,0 +1,184 @@
+//! `POST /v1/exports` bodies: parsed, defaulted into a canonical form, validated into a spec.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::auth::Caller;
+use crate::tenants::{ColumnType, DatasetName, DatasetSchema, RowFilter};
+use crate::writers::{Format, OutputColumn};
+
+use super::ExportError;
+
+pub const DEFAULT_SHARD_ROWS: u32 = 100_000;
+pub const MAX_SHARD_ROWS: u32 = 1_000_000;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    #[default]
+    Full,
+    Incremental,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Full => "full",
+            Mode::Incremental => "incremental",
+        }
+    }
+}
+
+/// The request body. Unknown fields are refused.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExportRequest {
+    pub dataset: String,
+    pub format: Format,
+    #[serde(default)]
+    pub mode: Mode,
+    /// Dataset columns to export, in this order, after the key column (default: all).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub columns: Option<Vec<String>>,
+    /// Column = value equalities every exported row must satisfy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub filter: Option<Map<String, Value>>,
+    /// Rows per shard file (1 to 1 000 000, default 100 000).
+    #[serde(default)]
+    pub shard_rows: Option<u32>,
+    /// Start cursor of an incremental export.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<String>,
+}
+
+impl ExportRequest {
+    /// The request with defaults filled in, as canonical JSON (sorted keys, no spaces): two
+    /// bodies that mean the same thing have the same canonical form.
+    pub fn canonical(&self) -> (Value, String) {
+        let mut filled = self.clone();
+        filled.shard_rows.get_or_insert(DEFAULT_SHARD_ROWS);
+        let value = serde_json::to_value(&filled).expect("serializable");
+        let text = value.to_string();
+        (value, text)
+    }
+}
+
+/// A validated request: everything a worker needs, frozen at creation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExportSpec {
+    pub dataset: DatasetName,
+    pub format: Format,
+    pub mode: Mode,
+    pub columns: Vec<OutputColumn>,
+    pub filter: Map<String, Value>,
+    pub row_filter: Map<String, Value>,
+    pub shard_rows: u32,
+}
+
+impl ExportSpec {
+    /// Checks the request against the caller's tenant, grants and the dataset's columns.
+    pub fn validate(request: &ExportRequest, caller: &Caller) -> Result<ExportSpec, ExportError> {
+        let schema = caller.tenant.dataset(&request.dataset).ok_or(ExportError::DatasetNotFound)?;
+        if !caller.principal.is_granted(&schema.name) {
+            return Err(ExportError::DatasetNotGranted);
+        }
+        if request.mode == Mode::Incremental {
+            return Err(ExportError::NotImplemented {
+                field: "mode",
+                detail: "incremental exports are not available yet; use mode \"full\"",
+            });
+        }
+        if request.since.is_some() {
+            return Err(invalid("since", "`since` applies to incremental exports only"));
+        }
+        let shard_rows = request.shard_rows.unwrap_or(DEFAULT_SHARD_ROWS);
+        if !(1..=MAX_SHARD_ROWS).contains(&shard_rows) {
+            return Err(invalid("shard_rows", format!("must be between 1 and {MAX_SHARD_ROWS}")));
+        }
+        Ok(ExportSpec {
+            dataset: schema.name.clone(),
+            format: request.format,
+            mode: request.mode,
+            columns: output_columns(schema, request.columns.as_deref())?,
+            filter: check_filter(schema, request.filter.clone().unwrap_or_default())?,
+            row_filter: row_filter_json(&caller.principal.row_filter),
+            shard_rows,
+        })
+    }
+}
+
+fn output_columns(schema: &DatasetSchema, requested: Option<&[String]>) -> Result<Vec<OutputColumn>, ExportError> {
+    let mut columns = vec![OutputColumn { name: schema.key_column.to_string(), ty: ColumnType::String }];
+    let Some(requested) = requested else {
+        columns.extend(schema.columns.iter().map(|c| OutputColumn { name: c.name.to_string(), ty: c.ty }));
+        return Ok(columns);
+    };
+    if requested.is_empty() {
+        return Err(invalid("columns", "list at least one column, or leave `columns` out for all"));
+    }
+    for (i, name) in requested.iter().enumerate() {
+        let column = schema.column(name).ok_or_else(|| {
+            invalid(&format!("columns[{i}]"), format!("dataset `{}` has no column `{name}`", schema.name))
+        })?;
+        if requested[..i].contains(name) {
+            return Err(invalid(&format!("columns[{i}]"), format!("`{name}` is listed twice")));
+        }
+        columns.push(OutputColumn { name: name.clone(), ty: column.ty });
+    }
+    Ok(columns)
+}
+
+fn check_filter(schema: &DatasetSchema, filter: Map<String, Value>) -> Result<Map<String, Value>, ExportError> {
+    for (name, value) in &filter {
+        let field = format!("filter.{name}");
+        let column = schema
+            .column(name)
+            .ok_or_else(|| invalid(&field, format!("dataset `{}` has no column `{name}`", schema.name)))?;
+        let fits = match column.ty {
+            ColumnType::String | ColumnType::Timestamp => value.is_string(),
+            ColumnType::Integer => value.is_i64() || value.is_u64(),
+            ColumnType::Number => value.is_number(),
+            ColumnType::Boolean => value.is_boolean(),
+            ColumnType::Json => false,
+        };
+        if !fits {
+            return Err(invalid(&field, format!("a {:?} column is filtered by a value of its type", column.ty)));
+        }
+    }
+    Ok(filter)
+}
+
+fn row_filter_json(row_filter: &RowFilter) -> Map<String, Value> {
+    row_filter.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
+}
+
+fn invalid(field: &str, detail: impl Into<String>) -> ExportError {
+    ExportError::InvalidField { field: field.to_owned(), detail: detail.into() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(body: Value) -> ExportRequest {
+        serde_json::from_value(body).unwrap()
+    }
+
+    #[test]
+    fn equivalent_bodies_have_one_canonical_form() {
+        let a = parse(json!({"dataset": "tickets", "format": "csv"}));
+        let b = parse(json!({"format": "csv", "mode": "full", "shard_rows": 100000, "dataset": "tickets"}));
+        assert_eq!(a.canonical().1, b.canonical().1);
+        let c = parse(json!({"dataset": "tickets", "format": "jsonl"}));
+        assert_ne!(a.canonical().1, c.canonical().1);
+        assert_eq!(a.canonical().1, r#"{"dataset":"tickets","format":"csv","mode":"full","shard_rows":100000}"#);
+    }
+
+    #[test]
+    fn unknown_fields_and_formats_are_refused() {
+        assert!(serde_json::from_value::<ExportRequest>(json!({"dataset": "t", "format": "xml"})).is_err());
+        assert!(serde_json::from_value::<ExportRequest>(json!({"dataset": "t", "format": "csv", "x": 1})).is_err());
+    }
+}

@@ -1,0 +1,275 @@
+//! Export jobs over HTTP: create (idempotent), read, list, cancel, manifest.
+
+use axum::extract::State;
+use axum::http::header::{CONTENT_TYPE, ETAG, IF_NONE_MATCH, LOCATION};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::{router::OpenApiRouter, routes};
+use uuid::Uuid;
+
+use super::error::{ApiError, ApiResult};
+use super::extract::{JsonBody, Path, Query};
+use super::state::AppState;
+use crate::auth::Caller;
+use crate::exports::{self, Cancel, ExportError, ExportJob, ExportRequest, ExportState, IdempotencyKey};
+
+const DEFAULT_PAGE: u32 = 50;
+const MAX_PAGE: u32 = 200;
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(create_export, list_exports))
+        .routes(routes!(get_export))
+        .routes(routes!(cancel_export))
+        .routes(routes!(get_manifest))
+}
+
+/// The answer to a create: the job, and whether this was a replay of an earlier create.
+#[derive(Serialize, ToSchema)]
+pub struct CreatedView {
+    id: Uuid,
+    state: ExportState,
+    status_url: String,
+    replayed: bool,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct ExportView {
+    id: Uuid,
+    state: ExportState,
+    dataset: String,
+    format: String,
+    mode: String,
+    requested_by: String,
+    #[serde(with = "time::serde::rfc3339")]
+    created_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339::option")]
+    started_at: Option<OffsetDateTime>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    finished_at: Option<OffsetDateTime>,
+    progress: Progress,
+    /// How long to wait before polling again; absent once the job is terminal.
+    next_poll_after_seconds: Option<u32>,
+    error: Option<ErrorView>,
+    status_url: String,
+    manifest_url: Option<String>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct Progress {
+    shards_done: i32,
+    rows_done: i64,
+    bytes_done: i64,
+    /// Known once the export has succeeded (the row count at the watermark is not computed up front).
+    shards_total: Option<i32>,
+    rows_total: Option<i64>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct ErrorView {
+    code: String,
+    detail: String,
+}
+
+impl From<ExportJob> for ExportView {
+    fn from(job: ExportJob) -> Self {
+        let done = job.state == ExportState::Succeeded;
+        let status_url = format!("/v1/exports/{}", job.id);
+        ExportView {
+            manifest_url: done.then(|| format!("{status_url}/manifest")),
+            next_poll_after_seconds: match job.state {
+                ExportState::Queued => Some(5),
+                ExportState::Running | ExportState::CancelRequested => Some(2),
+                _ => None,
+            },
+            error: job.error_code.map(|code| ErrorView { code, detail: job.error_detail.unwrap_or_default() }),
+            progress: Progress {
+                shards_done: job.shards_done,
+                rows_done: job.rows_done,
+                bytes_done: job.bytes_done,
+                shards_total: done.then_some(job.shards_done),
+                rows_total: done.then_some(job.rows_done),
+            },
+            id: job.id,
+            state: job.state,
+            dataset: job.dataset,
+            format: job.format,
+            mode: job.mode,
+            requested_by: job.principal,
+            created_at: job.created_at,
+            started_at: job.started_at,
+            finished_at: job.finished_at,
+            status_url,
+        }
+    }
+}
+
+/// Creates an export sealed at a snapshot watermark taken now. Requires `Idempotency-Key`:
+/// the same key and request replay the job (200), the same key with another request is 422.
+#[utoipa::path(post, path = "/v1/exports", tag = "exports", security(("bearer" = [])),
+    request_body = ExportRequest,
+    params(("Idempotency-Key" = String, Header, description = "1-255 visible ASCII characters")),
+    responses(
+        (status = 202, body = CreatedView, description = "created; `Location` names the status resource"),
+        (status = 200, body = CreatedView, description = "replay of an earlier create with this key"),
+        (status = 400, description = "missing/invalid Idempotency-Key or body"),
+        (status = 403, description = "dataset not granted"),
+        (status = 404, description = "no such dataset"),
+        (status = 422, description = "Idempotency-Key reused with a different request")))]
+async fn create_export(
+    State(state): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    JsonBody(request): JsonBody<ExportRequest>,
+) -> ApiResult<Response> {
+    let key = idempotency_key(&headers)?;
+    let created = exports::create(&state.pool, &caller, &key, &request).await?;
+    let job = created.job;
+    let status_url = format!("/v1/exports/{}", job.id);
+    let body = CreatedView { id: job.id, state: job.state, status_url: status_url.clone(), replayed: created.replayed };
+    let status = if created.replayed { StatusCode::OK } else { StatusCode::ACCEPTED };
+    let location = HeaderValue::from_str(&status_url).expect("a path is a valid header");
+    Ok((status, [(LOCATION, location)], axum::Json(body)).into_response())
+}
+
+fn idempotency_key(headers: &HeaderMap) -> ApiResult<IdempotencyKey> {
+    let raw = headers.get("idempotency-key").ok_or_else(|| {
+        ApiError::new(StatusCode::BAD_REQUEST, "idempotency-key-required", "send an Idempotency-Key header")
+            .with("field", "Idempotency-Key")
+    })?;
+    let text = raw.to_str().unwrap_or("\u{0}");
+    IdempotencyKey::parse(text).map_err(|detail| {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid-idempotency-key", format!("Idempotency-Key {detail}"))
+            .with("field", "Idempotency-Key")
+    })
+}
+
+/// One export's state and progress. 404 when it does not exist or is not the caller's to see.
+#[utoipa::path(get, path = "/v1/exports/{id}", tag = "exports", security(("bearer" = [])),
+    params(("id" = String, Path)),
+    responses((status = 200, body = ExportView), (status = 404, description = "absent or not visible")))]
+async fn get_export(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> ApiResult<axum::Json<ExportView>> {
+    let job = exports::get(&state.pool, &caller, export_id(&id)?).await?;
+    Ok(axum::Json(job.into()))
+}
+
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ListParams {
+    /// Only jobs in this state.
+    state: Option<String>,
+    /// `next_cursor` of the previous page.
+    cursor: Option<String>,
+    /// Page size, 1 to 200 (default 50).
+    limit: Option<u32>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct ExportList {
+    exports: Vec<ExportView>,
+    next_cursor: Option<String>,
+}
+
+/// The caller's exports (admins: the tenant's), newest first.
+#[utoipa::path(get, path = "/v1/exports", tag = "exports", security(("bearer" = [])),
+    params(ListParams), responses((status = 200, body = ExportList), (status = 400, description = "bad state, cursor or limit")))]
+async fn list_exports(
+    State(state): State<AppState>,
+    caller: Caller,
+    Query(params): Query<ListParams>,
+) -> ApiResult<axum::Json<ExportList>> {
+    let wanted = params
+        .state
+        .as_deref()
+        .map(|s| {
+            ExportState::parse(s)
+                .ok_or_else(|| ApiError::invalid_field("state", format!("`{s}` is not an export state")))
+        })
+        .transpose()?;
+    let limit = params.limit.unwrap_or(DEFAULT_PAGE);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(ApiError::invalid_field("limit", format!("must be between 1 and {MAX_PAGE}")));
+    }
+    let page = exports::list(&state.pool, &caller, wanted, params.cursor.as_deref(), limit).await?;
+    Ok(axum::Json(ExportList {
+        exports: page.jobs.into_iter().map(Into::into).collect(),
+        next_cursor: page.next_cursor,
+    }))
+}
+
+/// Asks the workers to stop: QUEUED or RUNNING → CANCEL_REQUESTED (202), later CANCELLED.
+#[utoipa::path(post, path = "/v1/exports/{id}/cancel", tag = "exports", security(("bearer" = [])),
+    params(("id" = String, Path)),
+    responses((status = 202, body = ExportView), (status = 200, body = ExportView, description = "already cancelling or cancelled"),
+        (status = 404, description = "absent or not visible"), (status = 409, description = "already-terminal")))]
+async fn cancel_export(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> ApiResult<Response> {
+    let (status, job) = match exports::cancel(&state.pool, &caller, export_id(&id)?).await? {
+        Cancel::Requested(job) => (StatusCode::ACCEPTED, job),
+        Cancel::AlreadyCancelling(job) => (StatusCode::OK, job),
+    };
+    Ok((status, axum::Json(ExportView::from(job))).into_response())
+}
+
+/// The immutable manifest, byte for byte as published; `ETag` is its sha256.
+#[utoipa::path(get, path = "/v1/exports/{id}/manifest", tag = "exports", security(("bearer" = [])),
+    params(("id" = String, Path)),
+    responses((status = 200, description = "the manifest JSON"), (status = 304, description = "If-None-Match matched"),
+        (status = 404, description = "absent or not visible"), (status = 409, description = "not SUCCEEDED yet"),
+        (status = 410, description = "revoked or expired")))]
+async fn get_manifest(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> ApiResult<Response> {
+    let (bytes, sha256) = exports::manifest(&state.pool, &caller, export_id(&id)?).await?;
+    let etag = HeaderValue::from_str(&format!("\"{sha256}\"")).expect("hex is a valid header");
+    let matches = headers
+        .get(IF_NONE_MATCH)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.split(',').any(|tag| tag.trim() == etag.to_str().unwrap_or_default() || tag.trim() == "*"));
+    if matches {
+        return Ok((StatusCode::NOT_MODIFIED, [(ETAG, etag)]).into_response());
+    }
+    Ok(([(CONTENT_TYPE, HeaderValue::from_static("application/json")), (ETAG, etag)], bytes).into_response())
+}
+
+/// A malformed id is answered like a missing export.
+fn export_id(text: &str) -> ApiResult<Uuid> {
+    Uuid::parse_str(text).map_err(|_| ExportError::NotFound.into())
+}
+
+impl From<ExportError> for ApiError {
+    fn from(e: ExportError) -> Self {
+        let detail = e.to_string();
+        match e {
+            ExportError::InvalidField { field, detail } => ApiError::invalid_field(field, detail),
+            ExportError::NotImplemented { field, .. } => {
+                ApiError::new(StatusCode::NOT_IMPLEMENTED, "not-implemented", detail).with("field", field)
+            }
+            ExportError::DatasetNotFound => ApiError::new(StatusCode::NOT_FOUND, "dataset-not-found", detail),
+            ExportError::DatasetNotGranted => ApiError::new(StatusCode::FORBIDDEN, "dataset-not-granted", detail),
+            ExportError::IdempotencyKeyReused => {
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "idempotency-key-reused", detail)
+            }
+            ExportError::NotFound => ApiError::not_found(detail),
+            ExportError::AlreadyTerminal(state) => {
+                ApiError::new(StatusCode::CONFLICT, "already-terminal", detail).with("state", state.as_str())
+            }
+            ExportError::NotPublished(state) => {
+                ApiError::new(StatusCode::CONFLICT, "not-ready", detail).with("state", state.as_str())
+            }
+            ExportError::Gone(state) => {
+                ApiError::new(StatusCode::GONE, "export-gone", detail).with("state", state.as_str())
+            }
+            ExportError::Database(e) => ApiError::internal(e),
+        }
+    }
+}

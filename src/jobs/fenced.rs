@@ -1,0 +1,201 @@
+//! Every write a worker makes, conditioned on its lease generation. A write that matches no
+//! row means another worker took over (or the user cancelled): the caller stops.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::exports::{ExportJob, ExportState, JOB_COLUMNS};
+
+/// The right to work on one job, for one generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    pub job_id: Uuid,
+    pub generation: i64,
+}
+
+/// The lease is no longer ours.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("lease lost: another worker owns the job now")]
+pub struct LeaseLost;
+
+/// A finished shard file, as checkpointed.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct Checkpoint {
+    pub shard_index: i32,
+    pub first_key: Option<String>,
+    pub last_key: Option<String>,
+    pub rows: i64,
+    pub bytes: i64,
+    pub sha256: String,
+    pub object_key: String,
+}
+
+fn millis(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// Claims the oldest job that is QUEUED, or whose lease expired (a crashed or released
+/// worker's), or that awaits its cancellation. QUEUED becomes RUNNING; the generation grows.
+pub async fn claim(pool: &PgPool, worker_id: &str, ttl: Duration) -> sqlx::Result<Option<ExportJob>> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "UPDATE export_jobs SET
+             state = CASE WHEN state = 'QUEUED' THEN 'RUNNING' ELSE state END,
+             lease_generation = lease_generation + 1,
+             lease_owner = $1,
+             lease_expires_at = now() + $2 * interval '1 millisecond',
+             attempts = attempts + 1,
+             started_at = coalesce(started_at, now())
+         WHERE id = (
+             SELECT id FROM export_jobs
+             WHERE state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
+               AND (lease_expires_at IS NULL OR lease_expires_at < now())
+             ORDER BY created_at, id
+             FOR UPDATE SKIP LOCKED
+             LIMIT 1)
+         RETURNING {JOB_COLUMNS}"
+    )))
+    .bind(worker_id)
+    .bind(millis(ttl))
+    .fetch_optional(pool)
+    .await
+}
+
+/// Extends the lease; returns the job's state (a cancel request shows up here).
+pub async fn heartbeat(pool: &PgPool, lease: Lease, ttl: Duration) -> sqlx::Result<Result<ExportState, LeaseLost>> {
+    let state: Option<String> = sqlx::query_scalar(
+        "UPDATE export_jobs SET lease_expires_at = now() + $3 * interval '1 millisecond'
+         WHERE id = $1 AND lease_generation = $2 AND state IN ('RUNNING', 'CANCEL_REQUESTED')
+         RETURNING state",
+    )
+    .bind(lease.job_id)
+    .bind(lease.generation)
+    .bind(millis(ttl))
+    .fetch_optional(pool)
+    .await?;
+    Ok(state.and_then(|s| ExportState::parse(&s)).ok_or(LeaseLost))
+}
+
+pub async fn checkpoints(pool: &PgPool, job_id: Uuid) -> sqlx::Result<Vec<Checkpoint>> {
+    sqlx::query_as(
+        "SELECT shard_index, first_key, last_key, rows, bytes, sha256, object_key
+         FROM export_shards WHERE export_id = $1 ORDER BY shard_index",
+    )
+    .bind(job_id)
+    .fetch_all(pool)
+    .await
+}
+
+/// Records a shard file and advances progress, in one statement, only while the job is
+/// RUNNING under this lease. Re-recording a shard (a rewritten file) updates its object key.
+pub async fn record_shard(pool: &PgPool, lease: Lease, shard: &Checkpoint) -> sqlx::Result<Result<(), LeaseLost>> {
+    let recorded: Option<i32> = sqlx::query_scalar(
+        "WITH fenced AS (
+             UPDATE export_jobs SET
+                 shards_done = GREATEST(shards_done, $3 + 1),
+                 rows_done = (SELECT coalesce(sum(rows), 0) FROM export_shards WHERE export_id = $1 AND shard_index <> $3) + $6,
+                 bytes_done = (SELECT coalesce(sum(bytes), 0) FROM export_shards WHERE export_id = $1 AND shard_index <> $3) + $7
+             WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING'
+             RETURNING id)
+         INSERT INTO export_shards (export_id, shard_index, first_key, last_key, rows, bytes, sha256, object_key)
+         SELECT id, $3, $4, $5, $6, $7, $8, $9 FROM fenced
+         ON CONFLICT ON CONSTRAINT export_shards_pkey DO UPDATE SET object_key = EXCLUDED.object_key
+         RETURNING shard_index",
+    )
+    .bind(lease.job_id)
+    .bind(lease.generation)
+    .bind(shard.shard_index)
+    .bind(&shard.first_key)
+    .bind(&shard.last_key)
+    .bind(shard.rows)
+    .bind(shard.bytes)
+    .bind(&shard.sha256)
+    .bind(&shard.object_key)
+    .fetch_optional(pool)
+    .await?;
+    Ok(recorded.map(|_| ()).ok_or(LeaseLost))
+}
+
+/// RUNNING → SUCCEEDED with the manifest, only under this lease. `Err(LeaseLost)` also when a
+/// cancel request won the race: the caller then looks at the state.
+pub async fn publish(
+    pool: &PgPool,
+    lease: Lease,
+    manifest: &[u8],
+    manifest_sha256: &str,
+    totals: (i32, i64, i64),
+) -> sqlx::Result<Result<(), LeaseLost>> {
+    let done = sqlx::query(
+        "UPDATE export_jobs SET state = 'SUCCEEDED', manifest = $3, manifest_sha256 = $4,
+             shards_done = $5, rows_done = $6, bytes_done = $7,
+             finished_at = now(), lease_owner = NULL, lease_expires_at = NULL
+         WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING'",
+    )
+    .bind(lease.job_id)
+    .bind(lease.generation)
+    .bind(manifest)
+    .bind(manifest_sha256)
+    .bind(totals.0)
+    .bind(totals.1)
+    .bind(totals.2)
+    .execute(pool)
+    .await?;
+    Ok(if done.rows_affected() == 1 { Ok(()) } else { Err(LeaseLost) })
+}
+
+/// Ends the job in `to` (CANCELLED from CANCEL_REQUESTED, FAILED from RUNNING) and forgets its
+/// checkpoints, in one transaction, only under this lease. Files are deleted afterwards by the
+/// caller: a stale worker never deletes files a newer attempt needs.
+pub async fn finish(
+    pool: &PgPool,
+    lease: Lease,
+    from: ExportState,
+    to: ExportState,
+    error: Option<(&str, &str)>,
+) -> sqlx::Result<Result<(), LeaseLost>> {
+    let mut tx = pool.begin().await?;
+    let done = sqlx::query(
+        "UPDATE export_jobs SET state = $4, error_code = $5, error_detail = $6,
+             finished_at = now(), lease_owner = NULL, lease_expires_at = NULL
+         WHERE id = $1 AND lease_generation = $2 AND state = $3",
+    )
+    .bind(lease.job_id)
+    .bind(lease.generation)
+    .bind(from.as_str())
+    .bind(to.as_str())
+    .bind(error.map(|e| e.0))
+    .bind(error.map(|e| e.1))
+    .execute(&mut *tx)
+    .await?;
+    if done.rows_affected() == 0 {
+        return Ok(Err(LeaseLost));
+    }
+    sqlx::query("DELETE FROM export_shards WHERE export_id = $1").bind(lease.job_id).execute(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(Ok(()))
+}
+
+/// Gives the job back (shutdown): another worker may claim it at once.
+pub async fn release(pool: &PgPool, lease: Lease) -> sqlx::Result<()> {
+    sqlx::query(
+        "UPDATE export_jobs SET lease_owner = NULL, lease_expires_at = NULL
+         WHERE id = $1 AND lease_generation = $2",
+    )
+    .bind(lease.job_id)
+    .bind(lease.generation)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The job's state and generation, to tell a cancel from a takeover after a refused write.
+pub async fn current(pool: &PgPool, job_id: Uuid) -> sqlx::Result<(ExportState, i64)> {
+    let (state, generation): (String, i64) =
+        sqlx::query_as("SELECT state, lease_generation FROM export_jobs WHERE id = $1")
+            .bind(job_id)
+            .fetch_one(pool)
+            .await?;
+    let state = ExportState::parse(&state).ok_or_else(|| sqlx::Error::Protocol(format!("unknown state {state}")))?;
+    Ok((state, generation))
+}

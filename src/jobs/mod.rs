@@ -1,0 +1,125 @@
+//! Workers: claim export jobs with `FOR UPDATE SKIP LOCKED`, hold a lease whose generation
+//! fences every write, and run them shard by shard. Many processes on many machines share the
+//! work through PostgreSQL alone.
+
+mod fenced;
+mod runner;
+mod shard;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio::sync::watch;
+
+pub use fenced::{Lease, LeaseLost};
+pub use runner::{ClaimedExport, Step};
+
+use crate::storage::ArtifactStore;
+use crate::tenants::Registry;
+
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// A lease not renewed for this long may be taken over by another worker.
+    pub lease_ttl: Duration,
+    /// Rows fetched per keyset page.
+    pub page_rows: u32,
+    /// How long an idle worker waits before looking for work again.
+    pub poll_interval: Duration,
+    /// Attempts (first run plus takeovers) before a job fails with `attempts-exhausted`.
+    pub max_attempts: i32,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            lease_ttl: Duration::from_secs(30),
+            page_rows: 2_000,
+            poll_interval: Duration::from_secs(1),
+            max_attempts: 5,
+        }
+    }
+}
+
+/// Everything a worker needs; cheap to clone.
+#[derive(Clone)]
+pub struct WorkerDeps {
+    pub pool: PgPool,
+    pub registry: Arc<Registry>,
+    pub store: ArtifactStore,
+    pub config: WorkerConfig,
+}
+
+#[derive(Debug)]
+pub enum Outcome {
+    /// Ran a job until it ended (or its lease was lost or released); the last step says how.
+    Ran(Step),
+    /// No job was waiting.
+    Idle,
+}
+
+/// Claims one job and runs it to its end. Tests call this to drain work deterministically.
+pub async fn run_next_job(
+    deps: &WorkerDeps,
+    worker_id: &str,
+    shutdown: &watch::Receiver<bool>,
+) -> anyhow::Result<Outcome> {
+    let Some(mut run) = ClaimedExport::claim(deps, worker_id).await? else {
+        return Ok(Outcome::Idle);
+    };
+    loop {
+        if *shutdown.borrow() {
+            run.release().await?;
+            return Ok(Outcome::Ran(Step::Released));
+        }
+        let step = run.step().await?;
+        if step.is_final() {
+            return Ok(Outcome::Ran(step));
+        }
+    }
+}
+
+/// Runs jobs until every job is done, then returns (`exportd worker --exit-when-idle`, tests).
+pub async fn drain(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Vec<Step>> {
+    let (_keep, shutdown) = watch::channel(false);
+    let mut steps = Vec::new();
+    while let Outcome::Ran(step) = run_next_job(deps, worker_id, &shutdown).await? {
+        steps.push(step);
+    }
+    Ok(steps)
+}
+
+/// One worker loop: run jobs, poll when idle, stop (releasing its lease) on shutdown.
+pub async fn run_worker(deps: WorkerDeps, worker_id: String, mut shutdown: watch::Receiver<bool>) {
+    while !*shutdown.borrow() {
+        let idle = match run_next_job(&deps, &worker_id, &shutdown).await {
+            Ok(Outcome::Ran(step)) => {
+                tracing::info!(worker = %worker_id, outcome = ?step, "job run ended");
+                false
+            }
+            Ok(Outcome::Idle) => true,
+            Err(e) => {
+                tracing::error!(worker = %worker_id, error = format!("{e:#}"), "job run failed; the lease will expire and the job be retried");
+                true
+            }
+        };
+        if idle {
+            tokio::select! {
+                _ = tokio::time::sleep(deps.config.poll_interval) => {}
+                _ = shutdown.changed() => {}
+            }
+        }
+    }
+}
+
+/// Starts `count` worker loops; they stop when `shutdown` turns true.
+pub fn spawn_workers(
+    deps: &WorkerDeps,
+    count: usize,
+    shutdown: &watch::Receiver<bool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let process = uuid::Uuid::new_v4().simple().to_string();
+    (0..count)
+        .map(|n| tokio::spawn(run_worker(deps.clone(), format!("{}-{n}", &process[..12]), shutdown.clone())))
+        .collect()
+}

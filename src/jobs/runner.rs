@@ -1,0 +1,453 @@
+//! Running one claimed export, one observable step at a time: verify the shards an earlier
+//! attempt checkpointed, write the remaining shards, publish. Every write is fenced.
+
+use std::sync::Mutex;
+use std::time::Instant;
+
+use anyhow::Context;
+use serde_json::Value;
+
+use super::WorkerDeps;
+use super::fenced::{self, Checkpoint, Lease, LeaseLost};
+use super::shard::{self, ShardJob, ShardStop};
+use crate::exports::{ExportJob, ExportState, Manifest, ManifestShard, shard_name};
+use crate::records::{AsOf, Snapshot};
+use crate::storage::ObjectKey;
+use crate::tenants::{DatasetName, TenantId};
+use crate::writers::{Format, OutputColumn, sha256_hex};
+
+/// What one step did. Steps after which the run is over are "final".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// A shard an earlier attempt wrote still matches its checkpoint.
+    ShardVerified {
+        index: u32,
+    },
+    /// A checkpointed shard was missing or corrupt and was written again, identically.
+    ShardRewritten {
+        index: u32,
+    },
+    ShardWritten {
+        index: u32,
+        rows: u64,
+        last: bool,
+    },
+    Published,
+    Cancelled,
+    Failed {
+        code: String,
+    },
+    /// Another worker owns the job now; this one stopped without writing anything more.
+    LeaseLost,
+    /// Given back on shutdown; another worker continues from the last checkpoint.
+    Released,
+}
+
+impl Step {
+    pub fn is_final(&self) -> bool {
+        !matches!(self, Step::ShardVerified { .. } | Step::ShardRewritten { .. } | Step::ShardWritten { .. })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Start,
+    Verify,
+    Write,
+    Publish,
+}
+
+/// The job as the worker reads it, parsed once from the frozen request.
+struct Plan {
+    tenant: TenantId,
+    dataset: DatasetName,
+    format: Format,
+    columns: Vec<OutputColumn>,
+    filter: Value,
+    row_filter: Value,
+    watermark: Snapshot,
+    shard_rows: u64,
+}
+
+impl Plan {
+    fn from_job(job: &ExportJob) -> anyhow::Result<Plan> {
+        let format = match job.format.as_str() {
+            "csv" => Format::Csv,
+            "jsonl" => Format::Jsonl,
+            other => anyhow::bail!("unknown format {other}"),
+        };
+        Ok(Plan {
+            tenant: TenantId::parse(&job.tenant).map_err(anyhow::Error::msg)?,
+            dataset: DatasetName::parse(&job.dataset).map_err(anyhow::Error::msg)?,
+            format,
+            columns: serde_json::from_value(job.columns.clone()).context("job columns")?,
+            filter: job.filter.clone(),
+            row_filter: job.row_filter.clone(),
+            watermark: Snapshot::parse(&job.watermark).map_err(anyhow::Error::msg)?,
+            shard_rows: u64::try_from(job.shard_rows).context("shard_rows")?,
+        })
+    }
+
+    fn query(&self) -> AsOf<'_> {
+        AsOf {
+            tenant: &self.tenant,
+            dataset: &self.dataset,
+            snapshot: &self.watermark,
+            filters: [&self.filter, &self.row_filter],
+        }
+    }
+}
+
+/// Renews the lease between pages, at most every third of its lifetime.
+struct Heartbeat {
+    deps: WorkerDeps,
+    lease: Lease,
+    last: Mutex<Instant>,
+}
+
+impl Heartbeat {
+    async fn beat(&self) -> anyhow::Result<Result<ExportState, LeaseLost>> {
+        let state = fenced::heartbeat(&self.deps.pool, self.lease, self.deps.config.lease_ttl).await?;
+        *self.last.lock().expect("not poisoned") = Instant::now();
+        Ok(state)
+    }
+
+    /// `true` while the job is still RUNNING under this lease.
+    async fn keep_going(&self) -> anyhow::Result<bool> {
+        let due = self.last.lock().expect("not poisoned").elapsed() >= self.deps.config.lease_ttl / 3;
+        if !due {
+            return Ok(true);
+        }
+        Ok(self.beat().await? == Ok(ExportState::Running))
+    }
+}
+
+pub struct ClaimedExport {
+    deps: WorkerDeps,
+    job: ExportJob,
+    lease: Lease,
+    plan: Plan,
+    checkpoints: Vec<Checkpoint>,
+    verified: usize,
+    phase: Phase,
+    heartbeat: Heartbeat,
+}
+
+impl ClaimedExport {
+    /// Claims the next job, if any, with a fresh lease generation.
+    pub async fn claim(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Option<ClaimedExport>> {
+        let Some(job) = fenced::claim(&deps.pool, worker_id, deps.config.lease_ttl).await.context("claiming a job")?
+        else {
+            return Ok(None);
+        };
+        let lease = Lease { job_id: job.id, generation: job.lease_generation };
+        tracing::info!(export = %job.id, tenant = %job.tenant, generation = lease.generation, attempt = job.attempts, "claimed export");
+        let plan = Plan::from_job(&job)?;
+        let checkpoints = fenced::checkpoints(&deps.pool, job.id).await?;
+        let heartbeat = Heartbeat { deps: deps.clone(), lease, last: Mutex::new(Instant::now()) };
+        Ok(Some(ClaimedExport {
+            deps: deps.clone(),
+            job,
+            lease,
+            plan,
+            checkpoints,
+            verified: 0,
+            phase: Phase::Start,
+            heartbeat,
+        }))
+    }
+
+    pub fn lease(&self) -> Lease {
+        self.lease
+    }
+
+    /// Does the next piece of work and says what it was.
+    pub async fn step(&mut self) -> anyhow::Result<Step> {
+        loop {
+            match self.phase {
+                Phase::Start => {
+                    if self.job.state == ExportState::CancelRequested {
+                        return self.finish_cancel().await;
+                    }
+                    if self.job.attempts > self.deps.config.max_attempts {
+                        let detail = format!("gave up after {} attempts", self.deps.config.max_attempts);
+                        return self.fail("attempts-exhausted", &detail).await;
+                    }
+                    if let Err(reason) = self.authorized() {
+                        return self.fail("permission-revoked", &reason).await;
+                    }
+                    self.phase = Phase::Verify;
+                }
+                Phase::Verify => {
+                    if let Some(stop) = self.renew().await? {
+                        return Ok(stop);
+                    }
+                    if self.verified < self.checkpoints.len() {
+                        return self.verify_shard(self.verified).await;
+                    }
+                    self.phase = Phase::Write;
+                }
+                Phase::Write => {
+                    let last_written = self.checkpoints.last().is_some_and(|c| (c.rows as u64) < self.plan.shard_rows);
+                    if last_written {
+                        self.phase = Phase::Publish;
+                        continue;
+                    }
+                    if let Some(stop) = self.renew().await? {
+                        return Ok(stop);
+                    }
+                    return self.write_next_shard().await;
+                }
+                // No heartbeat here: publish's own conditional update is the check, so a cancel
+                // that lands after the last shard is still seen.
+                Phase::Publish => return self.publish().await,
+            }
+        }
+    }
+
+    /// Gives the job back so another worker can continue at once (shutdown).
+    pub async fn release(self) -> anyhow::Result<()> {
+        fenced::release(&self.deps.pool, self.lease).await?;
+        tracing::info!(export = %self.job.id, "released export lease");
+        Ok(())
+    }
+
+    /// Renews the lease; a cancel request or a lost lease ends the run here.
+    async fn renew(&mut self) -> anyhow::Result<Option<Step>> {
+        match self.heartbeat.beat().await? {
+            Ok(ExportState::Running) => Ok(None),
+            Ok(ExportState::CancelRequested) => Ok(Some(self.finish_cancel().await?)),
+            _ => Ok(Some(Step::LeaseLost)),
+        }
+    }
+
+    /// The principal must still exist, be enabled, be granted the dataset, and have the row
+    /// filter frozen into the job.
+    fn authorized(&self) -> Result<(), String> {
+        let tenant = self.deps.registry.get(&self.job.tenant).ok_or("the tenant is no longer configured")?;
+        let principal = tenant.principal(&self.job.principal).ok_or("the principal no longer exists")?;
+        if principal.disabled {
+            return Err("the principal is disabled".into());
+        }
+        if tenant.dataset(&self.job.dataset).is_none() || !principal.is_granted(&self.plan.dataset) {
+            return Err("the dataset is no longer granted to the principal".into());
+        }
+        let current: serde_json::Map<String, Value> =
+            principal.row_filter.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        if Value::Object(current) != self.plan.row_filter {
+            return Err("the principal's row filter changed".into());
+        }
+        Ok(())
+    }
+
+    fn object_key(&self, index: u32) -> ObjectKey {
+        let name = shard_name(index, self.plan.format.extension());
+        ObjectKey::parse(&format!("{}/{}/g{}/{name}", self.job.tenant, self.job.id, self.lease.generation))
+            .expect("built from validated parts")
+    }
+
+    fn export_prefix(&self) -> ObjectKey {
+        ObjectKey::parse(&format!("{}/{}", self.job.tenant, self.job.id)).expect("built from validated parts")
+    }
+
+    fn shard_job(&self, index: u32, after: Option<String>, rows_allowed: u64) -> ShardJob<'_> {
+        ShardJob {
+            store: &self.deps.store,
+            query: self.plan.query(),
+            format: self.plan.format,
+            columns: &self.plan.columns,
+            after,
+            shard_rows: self.plan.shard_rows,
+            page_rows: u64::from(self.deps.config.page_rows),
+            rows_allowed,
+            is_first: index == 0,
+            object_key: self.object_key(index),
+        }
+    }
+
+    async fn verify_shard(&mut self, index: usize) -> anyhow::Result<Step> {
+        let checkpoint = self.checkpoints[index].clone();
+        let key = ObjectKey::parse(&checkpoint.object_key).map_err(anyhow::Error::msg)?;
+        let store = self.deps.store.clone();
+        let found = tokio::task::spawn_blocking(move || store.digest(&key)).await??;
+        if found == Some((checkpoint.bytes as u64, checkpoint.sha256.clone())) {
+            self.verified += 1;
+            return Ok(Step::ShardVerified { index: index as u32 });
+        }
+        tracing::warn!(export = %self.job.id, shard = index, "checkpointed shard file is missing or corrupt; rewriting it");
+        let after = index.checked_sub(1).and_then(|i| self.checkpoints[i].last_key.clone());
+        let written = shard::write_shard(&self.deps.pool, self.shard_job(index as u32, after, u64::MAX), || {
+            self.heartbeat.keep_going()
+        })
+        .await?;
+        let written = match written {
+            Ok(written) => written,
+            Err(ShardStop::Interrupted) => return self.after_refused_write().await,
+            Err(_) => {
+                return self.fail("non-deterministic-output", &format!("shard {index} has no rows on rerun")).await;
+            }
+        };
+        let same = written.digest.sha256 == checkpoint.sha256
+            && written.digest.rows as i64 == checkpoint.rows
+            && written.first_key == checkpoint.first_key
+            && written.last_key == checkpoint.last_key;
+        if !same {
+            self.deps.store.delete(&written.object_key)?;
+            let detail = format!("shard {index} came out different on rerun");
+            return self.fail("non-deterministic-output", &detail).await;
+        }
+        let rewritten = Checkpoint { object_key: written.object_key.as_str().to_owned(), ..checkpoint.clone() };
+        if fenced::record_shard(&self.deps.pool, self.lease, &rewritten).await?.is_err() {
+            self.deps.store.delete(&written.object_key)?;
+            return self.after_refused_write().await;
+        }
+        if checkpoint.object_key != rewritten.object_key {
+            self.deps.store.delete(&ObjectKey::parse(&checkpoint.object_key).map_err(anyhow::Error::msg)?)?;
+        }
+        self.checkpoints[index] = rewritten;
+        self.verified += 1;
+        Ok(Step::ShardRewritten { index: index as u32 })
+    }
+
+    async fn write_next_shard(&mut self) -> anyhow::Result<Step> {
+        let index = self.checkpoints.len() as u32;
+        let after = self.checkpoints.last().and_then(|c| c.last_key.clone());
+        let rows_before: u64 = self.checkpoints.iter().map(|c| c.rows as u64).sum();
+        let max_rows = self.deps.registry.get(&self.job.tenant).map_or(0, |t| t.quota.max_rows_per_export);
+        let allowed = max_rows.saturating_sub(rows_before);
+        let written =
+            shard::write_shard(&self.deps.pool, self.shard_job(index, after, allowed), || self.heartbeat.keep_going())
+                .await?;
+        let written = match written {
+            Ok(written) => written,
+            Err(ShardStop::NoRows) => {
+                self.phase = Phase::Publish;
+                return self.publish().await;
+            }
+            Err(ShardStop::TooManyRows) => {
+                let detail = format!("the export has more than {max_rows} rows, the tenant's max_rows_per_export");
+                return self.fail("too-many-rows", &detail).await;
+            }
+            Err(ShardStop::Interrupted) => return self.after_refused_write().await,
+        };
+        let checkpoint = Checkpoint {
+            shard_index: index as i32,
+            first_key: written.first_key,
+            last_key: written.last_key,
+            rows: written.digest.rows as i64,
+            bytes: written.digest.bytes as i64,
+            sha256: written.digest.sha256,
+            object_key: written.object_key.as_str().to_owned(),
+        };
+        if fenced::record_shard(&self.deps.pool, self.lease, &checkpoint).await?.is_err() {
+            self.deps.store.delete(&written.object_key)?;
+            return self.after_refused_write().await;
+        }
+        let rows = checkpoint.rows as u64;
+        let last = rows < self.plan.shard_rows;
+        self.checkpoints.push(checkpoint);
+        self.verified += 1;
+        if last {
+            self.phase = Phase::Publish;
+        }
+        Ok(Step::ShardWritten { index, rows, last })
+    }
+
+    async fn publish(&mut self) -> anyhow::Result<Step> {
+        if let Err(reason) = self.authorized() {
+            return self.fail("permission-revoked", &reason).await;
+        }
+        let manifest = self.manifest();
+        let bytes = manifest.to_bytes();
+        let totals = (self.checkpoints.len() as i32, manifest.total_rows as i64, manifest.total_bytes as i64);
+        match fenced::publish(&self.deps.pool, self.lease, &bytes, &sha256_hex(&bytes), totals).await? {
+            Ok(()) => {
+                tracing::info!(export = %self.job.id, rows = manifest.total_rows, shards = self.checkpoints.len(), "published export");
+                Ok(Step::Published)
+            }
+            Err(LeaseLost) => self.after_refused_write().await,
+        }
+    }
+
+    fn manifest(&self) -> Manifest {
+        let shards: Vec<ManifestShard> = self
+            .checkpoints
+            .iter()
+            .map(|c| ManifestShard {
+                index: c.shard_index as u32,
+                name: shard_name(c.shard_index as u32, self.plan.format.extension()),
+                rows: c.rows as u64,
+                bytes: c.bytes as u64,
+                sha256: c.sha256.clone(),
+                first_key: c.first_key.clone(),
+                last_key: c.last_key.clone(),
+            })
+            .collect();
+        Manifest {
+            manifest_version: crate::exports::MANIFEST_VERSION,
+            export_id: self.job.id.to_string(),
+            dataset: self.job.dataset.clone(),
+            mode: self.job.mode.clone(),
+            format: self.job.format.clone(),
+            compression: "gzip",
+            columns: self.plan.columns.clone(),
+            filter: self.plan.filter.clone(),
+            row_filter: self.plan.row_filter.clone(),
+            snapshot_watermark: self.plan.watermark.to_string(),
+            created_at: self.job.created_at.format(&time::format_description::well_known::Rfc3339).expect("formats"),
+            from_cursor: None,
+            next_cursor: None,
+            total_rows: shards.iter().map(|s| s.rows).sum(),
+            total_bytes: shards.iter().map(|s| s.bytes).sum(),
+            shards,
+        }
+    }
+
+    /// A fenced write matched nothing: a cancel request (still our generation) or a takeover.
+    async fn after_refused_write(&mut self) -> anyhow::Result<Step> {
+        let (state, generation) = fenced::current(&self.deps.pool, self.job.id).await?;
+        if state == ExportState::CancelRequested && generation == self.lease.generation {
+            return self.finish_cancel().await;
+        }
+        tracing::info!(export = %self.job.id, generation = self.lease.generation, "lease lost; stopping");
+        Ok(Step::LeaseLost)
+    }
+
+    async fn finish_cancel(&mut self) -> anyhow::Result<Step> {
+        match fenced::finish(&self.deps.pool, self.lease, ExportState::CancelRequested, ExportState::Cancelled, None)
+            .await?
+        {
+            Ok(()) => {
+                self.delete_files()?;
+                tracing::info!(export = %self.job.id, "cancelled export");
+                Ok(Step::Cancelled)
+            }
+            Err(LeaseLost) => Ok(Step::LeaseLost),
+        }
+    }
+
+    async fn fail(&mut self, code: &str, detail: &str) -> anyhow::Result<Step> {
+        match fenced::finish(
+            &self.deps.pool,
+            self.lease,
+            ExportState::Running,
+            ExportState::Failed,
+            Some((code, detail)),
+        )
+        .await?
+        {
+            Ok(()) => {
+                self.delete_files()?;
+                tracing::warn!(export = %self.job.id, code, "export failed");
+                Ok(Step::Failed { code: code.to_owned() })
+            }
+            Err(LeaseLost) => self.after_refused_write().await,
+        }
+    }
+
+    /// Only after the job's terminal state is committed under our lease: no newer attempt exists.
+    fn delete_files(&self) -> anyhow::Result<()> {
+        self.deps.store.delete_prefix(&self.export_prefix()).context("deleting export files")?;
+        Ok(())
+    }
+}
