@@ -32,6 +32,16 @@ async fn exported(app: &TestApp, id: &str) -> Vec<(String, String)> {
     rows
 }
 
+/// A worker claims the job, writes `shards` shards, then its process dies (the run is dropped
+/// with its lease still held).
+async fn crash_after(app: &TestApp, shards: usize) {
+    let deps = app.deps();
+    let mut doomed = ClaimedExport::claim(&deps, "doomed").await.unwrap().unwrap();
+    for index in 0..shards {
+        assert!(matches!(doomed.step().await.unwrap(), Step::ShardWritten { index: i, .. } if i as usize == index));
+    }
+}
+
 async fn expire_lease(pool: &PgPool, id: &str) {
     sqlx::query("UPDATE export_jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1::uuid")
         .bind(id)
@@ -212,12 +222,8 @@ async fn a_crashed_export_resumes_to_the_same_bytes_without_rewriting_verified_s
     app.seed("acme", "tickets", 230).await;
     let id = app.export(&app.token("acme", "alice"), &full_csv(50)).await;
 
-    // Attempt 1 writes two shards, then its process dies (the run is simply dropped).
+    crash_after(&app, 2).await;
     let deps = app.deps();
-    let mut crashed = ClaimedExport::claim(&deps, "doomed").await.unwrap().unwrap();
-    assert_eq!(crashed.step().await.unwrap(), Step::ShardWritten { index: 0, rows: 50, last: false });
-    assert_eq!(crashed.step().await.unwrap(), Step::ShardWritten { index: 1, rows: 50, last: false });
-    drop(crashed);
     let first_file = app.data_dir.path().join(format!("objects/acme/{id}/g1/shard-00000.csv.gz"));
     let inode_before = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&first_file).unwrap());
 
@@ -274,11 +280,8 @@ async fn truncated_or_extended_shard_files_are_rewritten_on_rerun(pool: PgPool) 
     let app = TestApp::spawn(pool).await;
     app.seed("acme", "tickets", 130).await;
     let id = app.export(&app.token("acme", "alice"), &full_csv(50)).await;
+    crash_after(&app, 2).await;
     let deps = app.deps();
-    let mut crashed = ClaimedExport::claim(&deps, "doomed").await.unwrap().unwrap();
-    crashed.step().await.unwrap();
-    crashed.step().await.unwrap();
-    drop(crashed);
     let original = app.shard_files(&id, app.data_dir.path()).await;
     let dir = app.data_dir.path().join(format!("objects/acme/{id}/g1"));
     std::fs::write(dir.join("shard-00000.csv.gz"), &original[0][..original[0].len() / 2]).unwrap();
@@ -302,10 +305,7 @@ async fn a_shard_that_comes_out_different_on_rerun_fails_the_export(pool: PgPool
     let app = TestApp::spawn(pool).await;
     app.seed("acme", "tickets", 80).await;
     let id = app.export(&app.token("acme", "alice"), &full_csv(50)).await;
-    let deps = app.deps();
-    let mut crashed = ClaimedExport::claim(&deps, "doomed").await.unwrap().unwrap();
-    crashed.step().await.unwrap();
-    drop(crashed);
+    crash_after(&app, 1).await;
     // Pretend the first attempt recorded other bytes, and lose the file.
     sqlx::query("UPDATE export_shards SET sha256 = repeat('0', 64) WHERE export_id = $1::uuid")
         .bind(&id)

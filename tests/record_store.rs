@@ -2,7 +2,7 @@
 
 mod common;
 
-use exportd::records::{self, AsOf, Record, Snapshot};
+use exportd::records::{self, AsOf, Snapshot};
 use exportd::tenants::{DatasetName, TenantId};
 use serde_json::{Value, json};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -33,7 +33,7 @@ async fn read(pool: &PgPool, snap: &Snapshot) -> Vec<(String, String)> {
         .await
         .unwrap()
         .into_iter()
-        .map(|Record { key, data }| (key, data["subject"].as_str().unwrap().to_owned()))
+        .map(|r| (r.key.clone(), r.value()["subject"].as_str().unwrap().to_owned()))
         .collect()
 }
 

@@ -135,14 +135,7 @@ fn check_filter(schema: &DatasetSchema, filter: Map<String, Value>) -> Result<Ma
         let column = schema
             .column(name)
             .ok_or_else(|| invalid(&field, format!("dataset `{}` has no column `{name}`", schema.name)))?;
-        let fits = match column.ty {
-            ColumnType::String | ColumnType::Timestamp => value.is_string(),
-            ColumnType::Integer => value.is_i64() || value.is_u64(),
-            ColumnType::Number => value.is_number(),
-            ColumnType::Boolean => value.is_boolean(),
-            ColumnType::Json => false,
-        };
-        if !fits {
+        if !column.ty.accepts_filter_value(value) {
             return Err(invalid(&field, format!("a {:?} column is filtered by a value of its type", column.ty)));
         }
     }

@@ -120,10 +120,9 @@ fn spawn_encoder(
         let (path, file) = store.temp_file()?;
         let result = (|| {
             let mut writer = ShardWriter::new(BufWriter::with_capacity(FILE_BUFFER_BYTES, file), format, columns)?;
-            let empty = serde_json::Map::new();
             while let Some(page) = rx.blocking_recv() {
                 for record in &page {
-                    writer.write_row(&record.key, record.data.as_object().unwrap_or(&empty))?;
+                    writer.write_row(&record.key, &record.data)?;
                 }
             }
             let (buffered, digest) = writer.finish()?;

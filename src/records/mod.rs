@@ -81,11 +81,20 @@ pub async fn write_batch(
     }
 }
 
-/// One record as of a snapshot.
+/// One record as of a snapshot. `data` is its JSON object as text, exactly as PostgreSQL renders
+/// the stored jsonb (numbers keep their stored digits); exports read fields from it without
+/// building a JSON tree per row.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 pub struct Record {
     pub key: String,
-    pub data: Value,
+    pub data: String,
+}
+
+impl Record {
+    /// The data parsed as JSON (convenient outside the hot path).
+    pub fn value(&self) -> Value {
+        serde_json::from_str(&self.data).expect("PostgreSQL renders valid JSON")
+    }
 }
 
 /// "The dataset as of a snapshot", optionally narrowed by column = value filters.
@@ -114,7 +123,7 @@ impl<'a> AsOf<'a> {
         limit: i64,
     ) -> sqlx::Result<Vec<Record>> {
         sqlx::query_as(
-            "SELECT v.key, v.data FROM record_versions v
+            "SELECT v.key, v.data::text AS data FROM record_versions v
              WHERE v.tenant = $1 AND v.dataset = $2 AND v.key > $4
                AND pg_visible_in_snapshot(v.created_xid, $3::pg_snapshot)
                AND (v.closed_xid IS NULL OR NOT pg_visible_in_snapshot(v.closed_xid, $3::pg_snapshot))

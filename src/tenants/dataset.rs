@@ -22,6 +22,18 @@ impl ColumnType {
     pub fn is_numeric(self) -> bool {
         matches!(self, ColumnType::Integer | ColumnType::Number)
     }
+
+    /// Whether `value` can be compared for equality with this column in a filter (a request's
+    /// `filter` or a partner's `row_filter`). JSON columns cannot be filtered.
+    pub fn accepts_filter_value(self, value: &serde_json::Value) -> bool {
+        match self {
+            ColumnType::String | ColumnType::Timestamp => value.is_string(),
+            ColumnType::Integer => value.is_i64() || value.is_u64(),
+            ColumnType::Number => value.is_number(),
+            ColumnType::Boolean => value.is_boolean(),
+            ColumnType::Json => false,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 use super::{
-    ColumnType, ConfigError, DatasetName, DatasetSchema, Feeds, Principal, PrincipalId, Quota, Registry, Retention,
-    Role, RowFilter, Secret, SigningKey, Tenant, TenantId,
+    ConfigError, DatasetName, DatasetSchema, Feeds, Principal, PrincipalId, Quota, Registry, Retention, Role,
+    RowFilter, Secret, SigningKey, Tenant, TenantId,
 };
 
 /// HS256 keys shorter than this are refused (RFC 7518 §3.2 asks for at least the hash size).
@@ -194,14 +194,7 @@ fn principal(
             let Some(col) = schema.column(column.as_str()) else {
                 return Err(error(path, &field, format!("dataset `{name}` has no column `{column}`")));
             };
-            let fits = match col.ty {
-                ColumnType::String | ColumnType::Timestamp => value.is_string(),
-                ColumnType::Integer => value.is_i64() || value.is_u64(),
-                ColumnType::Number => value.is_number(),
-                ColumnType::Boolean => value.is_boolean(),
-                ColumnType::Json => false,
-            };
-            if !fits {
+            if !col.ty.accepts_filter_value(value) {
                 return Err(error(
                     path,
                     &field,

@@ -2,8 +2,7 @@
 
 use std::borrow::Cow;
 
-use serde_json::Value;
-
+use super::cell::Cell;
 use crate::tenants::ColumnType;
 
 /// Characters that make spreadsheet software treat a cell as a formula, including the
@@ -22,57 +21,61 @@ pub fn escape_formula(text: &str) -> Cow<'_, str> {
     }
 }
 
-/// The CSV text of one value of a column of type `ty`. Numbers of numeric columns stay as
-/// written (`-3.5` is data, not a formula); every other text is escaped. `null` is empty.
-pub fn csv_cell(value: Option<&Value>, ty: ColumnType) -> Cow<'_, str> {
-    match value {
-        None | Some(Value::Null) => Cow::Borrowed(""),
-        Some(Value::Number(n)) if ty.is_numeric() => Cow::Owned(n.to_string()),
-        Some(Value::String(s)) => escape_formula(s),
-        Some(Value::Bool(b)) => Cow::Borrowed(if *b { "true" } else { "false" }),
-        Some(other) => Cow::Owned(escape_formula(&other.to_string()).into_owned()),
+/// The CSV text of one cell of a column of type `ty`. Numbers of numeric columns are written as
+/// stored (`-3.5` is data, not a formula); every other text is escaped. Null is empty.
+pub fn csv_cell<'a>(cell: &'a Cell<'a>, ty: ColumnType) -> Cow<'a, str> {
+    match cell {
+        Cell::Null => Cow::Borrowed(""),
+        Cell::Number(text) if ty.is_numeric() => Cow::Borrowed(text),
+        Cell::Number(text) => escape_formula(text),
+        Cell::String(text) => escape_formula(text),
+        Cell::Bool(b) => Cow::Borrowed(if *b { "true" } else { "false" }),
+        Cell::Json(value) => Cow::Owned(escape_formula(&value.to_string()).into_owned()),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::value::RawValue;
 
     #[test]
     fn cells_are_escaped_by_the_rules() {
         use ColumnType::*;
-        let cases: &[(Value, ColumnType, &str)] = &[
-            (json!("plain"), String, "plain"),
-            (json!("=SUM(A1:A2)"), String, "'=SUM(A1:A2)"),
-            (json!("+1 555 0100"), String, "'+1 555 0100"),
-            (json!("-2+3"), String, "'-2+3"),
-            (json!("@SUM(A1)"), String, "'@SUM(A1)"),
-            (json!("  =1+1"), String, "'  =1+1"),
-            (json!("\tcell"), String, "'\tcell"),
-            (json!("\rcell"), String, "'\rcell"),
-            (json!("\ncell"), String, "'\ncell"),
-            (json!("＝1+1"), String, "'＝1+1"),
-            (json!("＋1"), String, "'＋1"),
-            (json!("－1"), String, "'－1"),
-            (json!("＠x"), String, "'＠x"),
-            (json!("a=b"), String, "a=b"),
-            (json!("say \"hi\", ok"), String, "say \"hi\", ok"),
-            (json!("line1\nline2"), String, "line1\nline2"),
-            (json!(-3.5), Number, "-3.5"),
-            (json!(-7), Integer, "-7"),
-            (json!(0.1), Number, "0.1"),
-            (json!("-3.5"), String, "'-3.5"),
-            (json!(true), Boolean, "true"),
-            (json!(null), String, ""),
-            (json!(-1), Json, "'-1"),
-            (json!({"b": 1, "a": "x"}), Json, "{\"a\":\"x\",\"b\":1}"),
-            (json!("2026-11-30T10:00:00Z"), Timestamp, "2026-11-30T10:00:00Z"),
-            (json!(""), String, ""),
+        // Inputs are JSON text, as stored.
+        let cases: &[(&str, ColumnType, &str)] = &[
+            (r#""plain""#, String, "plain"),
+            (r#""=SUM(A1:A2)""#, String, "'=SUM(A1:A2)"),
+            (r#""+1 555 0100""#, String, "'+1 555 0100"),
+            (r#""-2+3""#, String, "'-2+3"),
+            (r#""@SUM(A1)""#, String, "'@SUM(A1)"),
+            (r#""  =1+1""#, String, "'  =1+1"),
+            (r#""\tcell""#, String, "'\tcell"),
+            (r#""\rcell""#, String, "'\rcell"),
+            (r#""\ncell""#, String, "'\ncell"),
+            (r#""＝1+1""#, String, "'＝1+1"),
+            (r#""＋1""#, String, "'＋1"),
+            (r#""－1""#, String, "'－1"),
+            (r#""＠x""#, String, "'＠x"),
+            (r#""a=b""#, String, "a=b"),
+            (r#""say \"hi\", ok""#, String, "say \"hi\", ok"),
+            (r#""line1\nline2""#, String, "line1\nline2"),
+            (r#"-3.5"#, Number, "-3.5"),
+            (r#"-7"#, Integer, "-7"),
+            (r#"0.1"#, Number, "0.1"),
+            (r#""-3.5""#, String, "'-3.5"),
+            (r#"true"#, Boolean, "true"),
+            (r#"null"#, String, ""),
+            (r#"-1"#, Json, "'-1"),
+            (r#"{"b": 1, "a": "x"}"#, Json, "{\"a\":\"x\",\"b\":1}"),
+            (r#""2026-11-30T10:00:00Z""#, Timestamp, "2026-11-30T10:00:00Z"),
+            (r#""""#, String, ""),
         ];
-        for (value, ty, expected) in cases {
-            assert_eq!(csv_cell(Some(value), *ty), *expected, "{value} as {ty:?}");
+        for (json, ty, expected) in cases {
+            let raw: Box<RawValue> = serde_json::from_str(json).unwrap();
+            let cell = Cell::parse(&raw).unwrap();
+            assert_eq!(csv_cell(&cell, *ty), *expected, "{json} as {ty:?}");
         }
-        assert_eq!(csv_cell(None, String), "");
+        assert_eq!(csv_cell(&Cell::Number("-3.50"), Number), "-3.50", "stored digits are kept");
     }
 }
