@@ -4,11 +4,14 @@
 //! nothing of HTTP; `http` is a thin edge over them.
 
 pub mod auth;
+pub mod cleaner;
+pub mod clock;
 pub mod config;
 pub mod db;
 pub mod exports;
 pub mod http;
 pub mod jobs;
+pub mod links;
 pub mod records;
 pub mod server;
 pub mod storage;

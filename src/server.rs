@@ -9,13 +9,17 @@ use sqlx::PgPool;
 
 use tokio::sync::watch;
 
+use crate::clock::Clock;
 use crate::config::Settings;
 use crate::db;
 use crate::http::{self, AppState};
 use crate::jobs::{self, WorkerConfig, WorkerDeps};
+use crate::links::LinkKeys;
 use crate::storage::ArtifactStore;
 use crate::tenants::Registry;
 
+/// How often `exportd worker` runs the cleaner (`serve` takes `--clean-every`).
+const CLEAN_EVERY: Duration = Duration::from_secs(60);
 /// In-flight requests get this long after a shutdown signal.
 const DRAIN: Duration = Duration::from_secs(20);
 
@@ -29,29 +33,63 @@ pub async fn prepare(settings: &Settings, max_connections: u32) -> anyhow::Resul
     Ok((pool, Arc::new(registry)))
 }
 
-/// `exportd serve`: the HTTP API plus `workers` in-process workers, until SIGINT or SIGTERM.
-pub async fn serve(settings: &Settings, listen: SocketAddr, workers: usize) -> anyhow::Result<()> {
-    let (pool, registry) = prepare(settings, 16 + workers as u32).await?;
+/// Options of `exportd serve` beyond the shared settings.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub listen: SocketAddr,
+    pub workers: usize,
+    /// `kid=secret[,…]`; without it links are signed with a per-process random key.
+    pub link_keys: Option<String>,
+    pub link_ttl: Duration,
+    pub clean_every: Duration,
+}
+
+/// `exportd serve`: the HTTP API, `workers` in-process workers and the cleaner, until SIGINT or
+/// SIGTERM.
+pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result<()> {
+    let links = match &options.link_keys {
+        Some(spec) => LinkKeys::parse(spec).map_err(|e| anyhow::anyhow!("EXPORTD_LINK_KEYS: {e}"))?,
+        None => {
+            tracing::warn!("EXPORTD_LINK_KEYS is not set: download links only work on this process until it stops");
+            LinkKeys::ephemeral()
+        }
+    };
+    let (pool, registry) = prepare(settings, 16 + options.workers as u32).await?;
     let deps = worker_deps(settings, pool.clone(), registry.clone())?;
-    let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
-    tracing::info!(address = %listener.local_addr()?, tenants = registry.tenants().count(), workers, "exportd listening");
+    let listener =
+        tokio::net::TcpListener::bind(options.listen).await.with_context(|| format!("binding {}", options.listen))?;
+    tracing::info!(address = %listener.local_addr()?, tenants = registry.tenants().count(), workers = options.workers, "exportd listening");
     let shutdown = shutdown_channel();
-    let handles = jobs::spawn_workers(&deps, workers, &shutdown);
-    let app = http::app(AppState { pool: pool.clone(), registry });
+    let clock = Clock::system();
+    let mut handles = jobs::spawn_workers(&deps, options.workers, &shutdown);
+    handles.push(spawn_cleaner(&deps, clock.clone(), options.clean_every, &shutdown));
+    let state = AppState {
+        pool: pool.clone(),
+        registry,
+        store: deps.store.clone(),
+        links: Arc::new(links),
+        clock,
+        link_ttl: options.link_ttl,
+    };
     let mut http_shutdown = shutdown.clone();
-    http::serve(
-        listener,
-        app,
-        async move {
-            let _ = http_shutdown.wait_for(|stop| *stop).await;
-        },
-        DRAIN,
-    )
-    .await?;
+    let stopped = async move {
+        let _ = http_shutdown.wait_for(|stop| *stop).await;
+    };
+    http::serve(listener, http::app(state), stopped, DRAIN).await?;
     join_workers(handles).await;
     pool.close().await;
     tracing::info!("exportd stopped");
     Ok(())
+}
+
+fn spawn_cleaner(
+    deps: &WorkerDeps,
+    clock: Clock,
+    every: Duration,
+    shutdown: &watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    let (pool, store) = (deps.pool.clone(), deps.store.clone());
+    tokio::spawn(crate::cleaner::run_periodically(pool, store, clock, every, shutdown.clone()))
 }
 
 /// `exportd worker`: workers only, sharing the jobs with every other process through PostgreSQL.
@@ -73,7 +111,9 @@ pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> 
     } else {
         tracing::info!(workers, "exportd worker started");
         let shutdown = shutdown_channel();
-        join_workers(jobs::spawn_workers(&deps, workers, &shutdown)).await;
+        let mut handles = jobs::spawn_workers(&deps, workers, &shutdown);
+        handles.push(spawn_cleaner(&deps, Clock::system(), CLEAN_EVERY, &shutdown));
+        join_workers(handles).await;
     }
     pool.close().await;
     Ok(())

@@ -65,4 +65,5 @@ stop_private_postgres() {
     pg_run "$(pg_bindir)/pg_ctl" -D "$PRIVATE_PG_DIR/data" -m fast -w stop >/dev/null 2>&1 || true
     PRIVATE_PG_DIR=""
   fi
+  return 0
 }

@@ -29,7 +29,16 @@ pub struct Manifest {
     pub next_cursor: Option<String>,
     pub total_rows: u64,
     pub total_bytes: u64,
+    /// The whole export as one gzip file (`GET …/file`): the shards spliced, one header.
+    pub file: ManifestFile,
     pub shards: Vec<ManifestShard>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ManifestFile {
+    pub name: String,
+    pub bytes: u64,
+    pub sha256: String,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -1,6 +1,9 @@
 //! Export jobs: creation with an idempotency key and a sealed snapshot watermark, reading,
 //! listing, cancelling, and the published manifest. Workers run them (see `jobs`).
 
+pub mod audit;
+pub mod download;
+mod layout;
 mod manifest;
 mod request;
 mod state;
@@ -11,7 +14,8 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-pub use manifest::{MANIFEST_VERSION, Manifest, ManifestShard, shard_name};
+pub use layout::{Layout, Segment, ShardRecord, shards};
+pub use manifest::{MANIFEST_VERSION, Manifest, ManifestFile, ManifestShard, shard_name};
 pub use request::{DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode};
 pub use state::ExportState;
 
@@ -36,6 +40,8 @@ pub enum ExportError {
     AlreadyTerminal(ExportState),
     #[error("the export is {}, not SUCCEEDED", .0.as_str())]
     NotPublished(ExportState),
+    #[error("only a SUCCEEDED export can be revoked; this one is {} (cancel it instead)", .0.as_str())]
+    NotRevocable(ExportState),
     #[error("the export is {}; it has no files", .0.as_str())]
     Gone(ExportState),
     #[error(transparent)]
@@ -85,12 +91,16 @@ pub struct ExportJob {
     pub error_code: Option<String>,
     pub error_detail: Option<String>,
     pub manifest_sha256: Option<String>,
+    pub file_bytes: Option<i64>,
+    pub file_sha256: Option<String>,
+    pub expires_at: Option<OffsetDateTime>,
 }
 
 /// The SELECT list matching [`ExportJob`].
 pub(crate) const JOB_COLUMNS: &str = "id, tenant, principal, dataset, mode, format, request, request_sha256, state, \
      watermark::text AS watermark, columns, filter, row_filter, shard_rows, created_at, started_at, finished_at, \
-     lease_generation, attempts, shards_done, rows_done, bytes_done, error_code, error_detail, manifest_sha256";
+     lease_generation, attempts, shards_done, rows_done, bytes_done, error_code, error_detail, manifest_sha256, \
+     file_bytes, file_sha256, expires_at";
 
 /// The outcome of a create: the job, and whether it already existed for this key.
 #[derive(Debug)]
@@ -280,6 +290,41 @@ pub async fn cancel(pool: &PgPool, caller: &Caller, id: Uuid) -> Result<Cancel, 
         ExportState::CancelRequested | ExportState::Cancelled => Ok(Cancel::AlreadyCancelling(job)),
         terminal => Err(ExportError::AlreadyTerminal(terminal)),
     }
+}
+
+/// What a revoke did.
+pub enum Revoke {
+    Revoked(ExportJob),
+    AlreadyRevoked(ExportJob),
+}
+
+/// SUCCEEDED → REVOKED, then the files are deleted. Downloads answer 410 from the commit on.
+pub async fn revoke(
+    pool: &PgPool,
+    store: &crate::storage::ArtifactStore,
+    caller: &Caller,
+    id: Uuid,
+) -> Result<Revoke, ExportError> {
+    let revoked: Option<ExportJob> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "UPDATE export_jobs SET state = 'REVOKED' WHERE id = $1 AND tenant = $2 AND state = 'SUCCEEDED'
+         RETURNING {JOB_COLUMNS}"
+    )))
+    .bind(id)
+    .bind(caller.tenant.id.as_str())
+    .fetch_optional(pool)
+    .await?;
+    let Some(job) = revoked else {
+        let job = get(pool, caller, id).await?;
+        return match job.state {
+            ExportState::Revoked => Ok(Revoke::AlreadyRevoked(job)),
+            other => Err(ExportError::NotRevocable(other)),
+        };
+    };
+    // Failing here leaves the files to the cleaner, which deletes the files of every REVOKED job.
+    if let Err(e) = crate::cleaner::delete_export_files(pool, store, &job.tenant, job.id, "revoked").await {
+        tracing::error!(export = %job.id, error = format!("{e:#}"), "revoked, but deleting files failed; the cleaner will retry");
+    }
+    Ok(Revoke::Revoked(job))
 }
 
 /// The published manifest bytes and their sha256.

@@ -14,7 +14,9 @@ use super::error::{ApiError, ApiResult};
 use super::extract::{JsonBody, Path, Query};
 use super::state::AppState;
 use crate::auth::Caller;
-use crate::exports::{self, Cancel, ExportError, ExportJob, ExportRequest, ExportState, IdempotencyKey};
+use crate::exports::audit::{self, AuditEvent};
+use crate::exports::download::Object;
+use crate::exports::{self, Cancel, ExportError, ExportJob, ExportRequest, ExportState, IdempotencyKey, Revoke};
 
 const DEFAULT_PAGE: u32 = 50;
 const MAX_PAGE: u32 = 200;
@@ -22,7 +24,7 @@ const MAX_PAGE: u32 = 200;
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .routes(routes!(create_export, list_exports))
-        .routes(routes!(get_export))
+        .routes(routes!(get_export, revoke_export))
         .routes(routes!(cancel_export))
         .routes(routes!(get_manifest))
 }
@@ -56,6 +58,29 @@ pub struct ExportView {
     error: Option<ErrorView>,
     status_url: String,
     manifest_url: Option<String>,
+    /// On SUCCEEDED: the whole file's size and sha256 (also in the manifest).
+    file: Option<FileView>,
+    /// When the files will be deleted (SUCCEEDED only).
+    #[serde(with = "time::serde::rfc3339::option")]
+    expires_at: Option<OffsetDateTime>,
+    /// On SUCCEEDED: short-lived signed download links, fresh on every request.
+    links: Option<Links>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    links_expire_at: Option<OffsetDateTime>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct FileView {
+    bytes: i64,
+    sha256: String,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct Links {
+    /// The whole export as one gzip file.
+    file: String,
+    /// One link per shard, in order.
+    shards: Vec<String>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -93,6 +118,13 @@ impl From<ExportJob> for ExportView {
                 shards_total: done.then_some(job.shards_done),
                 rows_total: done.then_some(job.rows_done),
             },
+            file: match (done, job.file_bytes, job.file_sha256) {
+                (true, Some(bytes), Some(sha256)) => Some(FileView { bytes, sha256 }),
+                _ => None,
+            },
+            expires_at: if done { job.expires_at } else { None },
+            links: None,
+            links_expire_at: None,
             id: job.id,
             state: job.state,
             dataset: job.dataset,
@@ -128,6 +160,9 @@ async fn create_export(
     let key = idempotency_key(&headers)?;
     let created = exports::create(&state.pool, &caller, &key, &request).await?;
     let job = created.job;
+    if !created.replayed {
+        audit::record(&state.pool, event(&caller, "created", job.id)).await;
+    }
     let status_url = format!("/v1/exports/{}", job.id);
     let body = CreatedView { id: job.id, state: job.state, status_url: status_url.clone(), replayed: created.replayed };
     let status = if created.replayed { StatusCode::OK } else { StatusCode::ACCEPTED };
@@ -157,7 +192,32 @@ async fn get_export(
     Path(id): Path<String>,
 ) -> ApiResult<axum::Json<ExportView>> {
     let job = exports::get(&state.pool, &caller, export_id(&id)?).await?;
-    Ok(axum::Json(job.into()))
+    let links = (job.state == ExportState::Succeeded).then(|| sign_links(&state, &caller, &job));
+    let mut view = ExportView::from(job);
+    if let Some((links, expire_at)) = links {
+        view.links = Some(links);
+        view.links_expire_at = Some(expire_at);
+    }
+    Ok(axum::Json(view))
+}
+
+/// Links for the whole file and every shard, bound to the caller and this export.
+fn sign_links(state: &AppState, caller: &Caller, job: &ExportJob) -> (Links, OffsetDateTime) {
+    let now = state.clock.unix_seconds();
+    let sign = |object: Object| {
+        let (tenant, principal) = (caller.tenant.id.as_str(), caller.principal.id.as_str());
+        let token = state.links.sign(tenant, principal, job.id, &object.name(), now, state.link_ttl);
+        let path = match object {
+            Object::File => "file".to_owned(),
+            Object::Shard(n) => format!("shards/{n}"),
+        };
+        format!("/v1/exports/{}/{path}?token={token}", job.id)
+    };
+    let shards = (0..job.shards_done.max(0) as u32).map(|n| sign(Object::Shard(n))).collect();
+    let links = Links { file: sign(Object::File), shards };
+    let expire_at = OffsetDateTime::from_unix_timestamp((now + state.link_ttl.as_secs()) as i64)
+        .unwrap_or(OffsetDateTime::UNIX_EPOCH);
+    (links, expire_at)
 }
 
 #[derive(Deserialize, IntoParams)]
@@ -211,10 +271,47 @@ async fn list_exports(
         (status = 404, description = "absent or not visible"), (status = 409, description = "already-terminal")))]
 async fn cancel_export(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> ApiResult<Response> {
     let (status, job) = match exports::cancel(&state.pool, &caller, export_id(&id)?).await? {
-        Cancel::Requested(job) => (StatusCode::ACCEPTED, job),
+        Cancel::Requested(job) => {
+            audit::record(&state.pool, event(&caller, "cancelled", job.id)).await;
+            (StatusCode::ACCEPTED, job)
+        }
         Cancel::AlreadyCancelling(job) => (StatusCode::OK, job),
     };
     Ok((status, axum::Json(ExportView::from(job))).into_response())
+}
+
+/// Revokes a SUCCEEDED export (tenant admins): state REVOKED, files deleted, downloads 410.
+#[utoipa::path(delete, path = "/v1/exports/{id}", tag = "exports", security(("bearer" = [])),
+    params(("id" = String, Path)),
+    responses((status = 200, body = ExportView, description = "revoked (also when it already was)"),
+        (status = 403, description = "not a tenant admin"), (status = 404, description = "absent or not visible"),
+        (status = 409, description = "not-revocable: not SUCCEEDED")))]
+async fn revoke_export(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> ApiResult<axum::Json<ExportView>> {
+    if !caller.principal.is_admin() {
+        return Err(ApiError::forbidden("only tenant admins can revoke exports"));
+    }
+    let job = match exports::revoke(&state.pool, &state.store, &caller, export_id(&id)?).await? {
+        Revoke::Revoked(job) => {
+            audit::record(&state.pool, event(&caller, "revoked", job.id)).await;
+            job
+        }
+        Revoke::AlreadyRevoked(job) => job,
+    };
+    Ok(axum::Json(job.into()))
+}
+
+fn event<'a>(caller: &'a Caller, action: &'a str, id: Uuid) -> AuditEvent<'a> {
+    AuditEvent {
+        tenant: caller.tenant.id.as_str(),
+        principal: caller.principal.id.as_str(),
+        action,
+        export_id: Some(id),
+        ..AuditEvent::default()
+    }
 }
 
 /// The immutable manifest, byte for byte as published; `ETag` is its sha256.
@@ -242,7 +339,7 @@ async fn get_manifest(
 }
 
 /// A malformed id is answered like a missing export.
-fn export_id(text: &str) -> ApiResult<Uuid> {
+pub(super) fn export_id(text: &str) -> ApiResult<Uuid> {
     Uuid::parse_str(text).map_err(|_| ExportError::NotFound.into())
 }
 
@@ -265,6 +362,9 @@ impl From<ExportError> for ApiError {
             }
             ExportError::NotPublished(state) => {
                 ApiError::new(StatusCode::CONFLICT, "not-ready", detail).with("state", state.as_str())
+            }
+            ExportError::NotRevocable(state) => {
+                ApiError::new(StatusCode::CONFLICT, "not-revocable", detail).with("state", state.as_str())
             }
             ExportError::Gone(state) => {
                 ApiError::new(StatusCode::GONE, "export-gone", detail).with("state", state.as_str())

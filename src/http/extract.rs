@@ -15,17 +15,22 @@ impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let header = parts.headers.get(AUTHORIZATION).ok_or(AuthError::Missing);
-        let token = header
-            .and_then(|h| h.to_str().map_err(|_| AuthError::Malformed))
-            .and_then(|h| bearer_token(h).ok_or(AuthError::Malformed))
-            .map_err(|e| ApiError::unauthorized(&e))?;
-        let caller = auth::authenticate(&state.registry, token).map_err(|e| ApiError::unauthorized(&e))?;
-        let span = tracing::Span::current();
-        span.record("tenant", caller.tenant.id.as_str());
-        span.record("principal", caller.principal.id.as_str());
-        Ok(caller)
+        caller_from_headers(state, &parts.headers)
     }
+}
+
+/// The caller named by the `Authorization: Bearer` header, or a 401.
+pub fn caller_from_headers(state: &AppState, headers: &HeaderMap) -> Result<Caller, ApiError> {
+    let header = headers.get(AUTHORIZATION).ok_or(AuthError::Missing);
+    let token = header
+        .and_then(|h| h.to_str().map_err(|_| AuthError::Malformed))
+        .and_then(|h| bearer_token(h).ok_or(AuthError::Malformed))
+        .map_err(|e| ApiError::unauthorized(&e))?;
+    let caller = auth::authenticate(&state.registry, token).map_err(|e| ApiError::unauthorized(&e))?;
+    let span = tracing::Span::current();
+    span.record("tenant", caller.tenant.id.as_str());
+    span.record("principal", caller.principal.id.as_str());
+    Ok(caller)
 }
 
 /// The token of an `Authorization: Bearer <token>` header (scheme is case-insensitive).

@@ -1,10 +1,13 @@
 //! The HTTP API: one file per resource, merged here with the middleware every request passes.
 
+mod audit;
+mod downloads;
 mod error;
 mod exports;
 mod extract;
 mod health;
 mod openapi;
+mod range;
 mod records;
 mod state;
 

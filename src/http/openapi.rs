@@ -5,7 +5,7 @@ use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 
 use super::state::AppState;
-use super::{exports, health, records};
+use super::{audit, downloads, exports, health, records};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -31,4 +31,6 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .merge(health::router())
         .merge(records::router())
         .merge(exports::router())
+        .merge(downloads::router())
+        .merge(audit::router())
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::exports::{ExportJob, ExportState, JOB_COLUMNS};
+use crate::exports::{ExportJob, ExportState, JOB_COLUMNS, ShardRecord};
 
 /// The right to work on one job, for one generation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,18 +19,6 @@ pub struct Lease {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("lease lost: another worker owns the job now")]
 pub struct LeaseLost;
-
-/// A finished shard file, as checkpointed.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
-pub struct Checkpoint {
-    pub shard_index: i32,
-    pub first_key: Option<String>,
-    pub last_key: Option<String>,
-    pub rows: i64,
-    pub bytes: i64,
-    pub sha256: String,
-    pub object_key: String,
-}
 
 fn millis(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
@@ -77,19 +65,9 @@ pub async fn heartbeat(pool: &PgPool, lease: Lease, ttl: Duration) -> sqlx::Resu
     Ok(state.and_then(|s| ExportState::parse(&s)).ok_or(LeaseLost))
 }
 
-pub async fn checkpoints(pool: &PgPool, job_id: Uuid) -> sqlx::Result<Vec<Checkpoint>> {
-    sqlx::query_as(
-        "SELECT shard_index, first_key, last_key, rows, bytes, sha256, object_key
-         FROM export_shards WHERE export_id = $1 ORDER BY shard_index",
-    )
-    .bind(job_id)
-    .fetch_all(pool)
-    .await
-}
-
 /// Records a shard file and advances progress, in one statement, only while the job is
 /// RUNNING under this lease. Re-recording a shard (a rewritten file) updates its object key.
-pub async fn record_shard(pool: &PgPool, lease: Lease, shard: &Checkpoint) -> sqlx::Result<Result<(), LeaseLost>> {
+pub async fn record_shard(pool: &PgPool, lease: Lease, shard: &ShardRecord) -> sqlx::Result<Result<(), LeaseLost>> {
     let recorded: Option<i32> = sqlx::query_scalar(
         "WITH fenced AS (
              UPDATE export_jobs SET
@@ -98,8 +76,9 @@ pub async fn record_shard(pool: &PgPool, lease: Lease, shard: &Checkpoint) -> sq
                  bytes_done = (SELECT coalesce(sum(bytes), 0) FROM export_shards WHERE export_id = $1 AND shard_index <> $3) + $7
              WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING'
              RETURNING id)
-         INSERT INTO export_shards (export_id, shard_index, first_key, last_key, rows, bytes, sha256, object_key)
-         SELECT id, $3, $4, $5, $6, $7, $8, $9 FROM fenced
+         INSERT INTO export_shards (export_id, shard_index, first_key, last_key, rows, bytes, sha256, object_key,
+             head_bytes, head_crc32, head_raw_bytes, body_bytes, body_crc32, body_raw_bytes)
+         SELECT id, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15 FROM fenced
          ON CONFLICT ON CONSTRAINT export_shards_pkey DO UPDATE SET object_key = EXCLUDED.object_key
          RETURNING shard_index",
     )
@@ -112,33 +91,50 @@ pub async fn record_shard(pool: &PgPool, lease: Lease, shard: &Checkpoint) -> sq
     .bind(shard.bytes)
     .bind(&shard.sha256)
     .bind(&shard.object_key)
+    .bind(shard.head_bytes)
+    .bind(shard.head_crc32)
+    .bind(shard.head_raw_bytes)
+    .bind(shard.body_bytes)
+    .bind(shard.body_crc32)
+    .bind(shard.body_raw_bytes)
     .fetch_optional(pool)
     .await?;
     Ok(recorded.map(|_| ()).ok_or(LeaseLost))
 }
 
+/// What publishing records besides the state.
+pub struct Publication<'a> {
+    pub manifest: &'a [u8],
+    pub manifest_sha256: &'a str,
+    pub shards: i32,
+    pub rows: i64,
+    pub bytes: i64,
+    pub file_bytes: i64,
+    pub file_sha256: &'a str,
+    /// The export expires this many hours after publishing.
+    pub artifact_hours: u32,
+}
+
 /// RUNNING → SUCCEEDED with the manifest, only under this lease. `Err(LeaseLost)` also when a
 /// cancel request won the race: the caller then looks at the state.
-pub async fn publish(
-    pool: &PgPool,
-    lease: Lease,
-    manifest: &[u8],
-    manifest_sha256: &str,
-    totals: (i32, i64, i64),
-) -> sqlx::Result<Result<(), LeaseLost>> {
+pub async fn publish(pool: &PgPool, lease: Lease, p: &Publication<'_>) -> sqlx::Result<Result<(), LeaseLost>> {
     let done = sqlx::query(
         "UPDATE export_jobs SET state = 'SUCCEEDED', manifest = $3, manifest_sha256 = $4,
-             shards_done = $5, rows_done = $6, bytes_done = $7,
+             shards_done = $5, rows_done = $6, bytes_done = $7, file_bytes = $8, file_sha256 = $9,
+             published_at = now(), expires_at = now() + $10 * interval '1 hour',
              finished_at = now(), lease_owner = NULL, lease_expires_at = NULL
          WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING'",
     )
     .bind(lease.job_id)
     .bind(lease.generation)
-    .bind(manifest)
-    .bind(manifest_sha256)
-    .bind(totals.0)
-    .bind(totals.1)
-    .bind(totals.2)
+    .bind(p.manifest)
+    .bind(p.manifest_sha256)
+    .bind(p.shards)
+    .bind(p.rows)
+    .bind(p.bytes)
+    .bind(p.file_bytes)
+    .bind(p.file_sha256)
+    .bind(f64::from(p.artifact_hours))
     .execute(pool)
     .await?;
     Ok(if done.rows_affected() == 1 { Ok(()) } else { Err(LeaseLost) })

@@ -8,9 +8,11 @@ use anyhow::Context;
 use serde_json::Value;
 
 use super::WorkerDeps;
-use super::fenced::{self, Checkpoint, Lease, LeaseLost};
+use super::fenced::{self, Lease, LeaseLost, Publication};
 use super::shard::{self, ShardJob, ShardStop};
-use crate::exports::{ExportJob, ExportState, Manifest, ManifestShard, shard_name};
+use crate::exports::{
+    self, ExportJob, ExportState, Layout, Manifest, ManifestFile, ManifestShard, ShardRecord, shard_name,
+};
 use crate::records::{AsOf, Snapshot};
 use crate::storage::ObjectKey;
 use crate::tenants::{DatasetName, TenantId};
@@ -127,7 +129,7 @@ pub struct ClaimedExport {
     job: ExportJob,
     lease: Lease,
     plan: Plan,
-    checkpoints: Vec<Checkpoint>,
+    checkpoints: Vec<ShardRecord>,
     verified: usize,
     phase: Phase,
     heartbeat: Heartbeat,
@@ -143,7 +145,7 @@ impl ClaimedExport {
         let lease = Lease { job_id: job.id, generation: job.lease_generation };
         tracing::info!(export = %job.id, tenant = %job.tenant, generation = lease.generation, attempt = job.attempts, "claimed export");
         let plan = Plan::from_job(&job)?;
-        let checkpoints = fenced::checkpoints(&deps.pool, job.id).await?;
+        let checkpoints = exports::shards(&deps.pool, job.id).await?;
         let heartbeat = Heartbeat { deps: deps.clone(), lease, last: Mutex::new(Instant::now()) };
         Ok(Some(ClaimedExport {
             deps: deps.clone(),
@@ -246,10 +248,6 @@ impl ClaimedExport {
             .expect("built from validated parts")
     }
 
-    fn export_prefix(&self) -> ObjectKey {
-        ObjectKey::parse(&format!("{}/{}", self.job.tenant, self.job.id)).expect("built from validated parts")
-    }
-
     fn shard_job(&self, index: u32, after: Option<String>, rows_allowed: u64) -> ShardJob<'_> {
         ShardJob {
             store: &self.deps.store,
@@ -296,7 +294,7 @@ impl ClaimedExport {
             let detail = format!("shard {index} came out different on rerun");
             return self.fail("non-deterministic-output", &detail).await;
         }
-        let rewritten = Checkpoint { object_key: written.object_key.as_str().to_owned(), ..checkpoint.clone() };
+        let rewritten = ShardRecord { object_key: written.object_key.as_str().to_owned(), ..checkpoint.clone() };
         if fenced::record_shard(&self.deps.pool, self.lease, &rewritten).await?.is_err() {
             self.deps.store.delete(&written.object_key)?;
             return self.after_refused_write().await;
@@ -330,14 +328,21 @@ impl ClaimedExport {
             }
             Err(ShardStop::Interrupted) => return self.after_refused_write().await,
         };
-        let checkpoint = Checkpoint {
+        let digest = &written.digest;
+        let checkpoint = ShardRecord {
             shard_index: index as i32,
             first_key: written.first_key,
             last_key: written.last_key,
-            rows: written.digest.rows as i64,
-            bytes: written.digest.bytes as i64,
-            sha256: written.digest.sha256,
+            rows: digest.rows as i64,
+            bytes: digest.bytes as i64,
+            sha256: digest.sha256.clone(),
             object_key: written.object_key.as_str().to_owned(),
+            head_bytes: digest.head.compressed_len as i64,
+            head_crc32: i64::from(digest.head.crc32),
+            head_raw_bytes: digest.head.raw_len as i64,
+            body_bytes: digest.body.compressed_len as i64,
+            body_crc32: i64::from(digest.body.crc32),
+            body_raw_bytes: digest.body.raw_len as i64,
         };
         if fenced::record_shard(&self.deps.pool, self.lease, &checkpoint).await?.is_err() {
             self.deps.store.delete(&written.object_key)?;
@@ -357,10 +362,28 @@ impl ClaimedExport {
         if let Err(reason) = self.authorized() {
             return self.fail("permission-revoked", &reason).await;
         }
-        let manifest = self.manifest();
+        let layout = Layout::whole_file(&self.checkpoints);
+        let store = self.deps.store.clone();
+        let file_layout = layout.clone();
+        let file_sha256 = tokio::task::spawn_blocking(move || file_layout.sha256(&store)).await??;
+        let manifest = self.manifest(ManifestFile {
+            name: format!("{}.{}", self.job.dataset, self.plan.format.extension()),
+            bytes: layout.len(),
+            sha256: file_sha256,
+        });
         let bytes = manifest.to_bytes();
-        let totals = (self.checkpoints.len() as i32, manifest.total_rows as i64, manifest.total_bytes as i64);
-        match fenced::publish(&self.deps.pool, self.lease, &bytes, &sha256_hex(&bytes), totals).await? {
+        let artifact_hours = self.deps.registry.get(&self.job.tenant).map_or(0, |t| t.retention.artifact_hours);
+        let publication = Publication {
+            manifest: &bytes,
+            manifest_sha256: &sha256_hex(&bytes),
+            shards: self.checkpoints.len() as i32,
+            rows: manifest.total_rows as i64,
+            bytes: manifest.total_bytes as i64,
+            file_bytes: manifest.file.bytes as i64,
+            file_sha256: &manifest.file.sha256,
+            artifact_hours,
+        };
+        match fenced::publish(&self.deps.pool, self.lease, &publication).await? {
             Ok(()) => {
                 tracing::info!(export = %self.job.id, rows = manifest.total_rows, shards = self.checkpoints.len(), "published export");
                 Ok(Step::Published)
@@ -369,7 +392,7 @@ impl ClaimedExport {
         }
     }
 
-    fn manifest(&self) -> Manifest {
+    fn manifest(&self, file: ManifestFile) -> Manifest {
         let shards: Vec<ManifestShard> = self
             .checkpoints
             .iter()
@@ -399,6 +422,7 @@ impl ClaimedExport {
             next_cursor: None,
             total_rows: shards.iter().map(|s| s.rows).sum(),
             total_bytes: shards.iter().map(|s| s.bytes).sum(),
+            file,
             shards,
         }
     }
@@ -418,7 +442,7 @@ impl ClaimedExport {
             .await?
         {
             Ok(()) => {
-                self.delete_files()?;
+                self.delete_files("cancelled").await?;
                 tracing::info!(export = %self.job.id, "cancelled export");
                 Ok(Step::Cancelled)
             }
@@ -437,7 +461,7 @@ impl ClaimedExport {
         .await?
         {
             Ok(()) => {
-                self.delete_files()?;
+                self.delete_files("failed").await?;
                 tracing::warn!(export = %self.job.id, code, "export failed");
                 Ok(Step::Failed { code: code.to_owned() })
             }
@@ -446,8 +470,10 @@ impl ClaimedExport {
     }
 
     /// Only after the job's terminal state is committed under our lease: no newer attempt exists.
-    fn delete_files(&self) -> anyhow::Result<()> {
-        self.deps.store.delete_prefix(&self.export_prefix()).context("deleting export files")?;
+    async fn delete_files(&self, reason: &str) -> anyhow::Result<()> {
+        crate::cleaner::delete_export_files(&self.deps.pool, &self.deps.store, &self.job.tenant, self.job.id, reason)
+            .await
+            .context("deleting export files")?;
         Ok(())
     }
 }

@@ -108,29 +108,106 @@ impl ArtifactStore {
 
     /// Deletes every object under `prefix/` (e.g. one export's directory). Returns bytes freed.
     pub fn delete_prefix(&self, prefix: &ObjectKey) -> io::Result<u64> {
+        Ok(self.delete_prefix_counted(prefix)?.1)
+    }
+
+    /// Like [`ArtifactStore::delete_prefix`], returning (files, bytes) freed.
+    pub fn delete_prefix_counted(&self, prefix: &ObjectKey) -> io::Result<(u64, u64)> {
         let dir = self.path(prefix);
-        let freed = dir_size(&dir)?;
+        let (files, bytes) = dir_size(&dir)?;
         match fs::remove_dir_all(&dir) {
-            Ok(()) => Ok(freed),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(0),
+            Ok(()) => Ok((files, bytes)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok((0, 0)),
             Err(e) => Err(e),
         }
     }
+
+    /// Every `(tenant, export)` directory pair under the root.
+    pub fn list_export_dirs(&self) -> io::Result<Vec<(String, String)>> {
+        let mut out = Vec::new();
+        for tenant in read_dir_names(&self.objects)? {
+            for export in read_dir_names(&self.objects.join(&tenant))? {
+                out.push((tenant.clone(), export));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Deletes the files `<prefix>/<generation>/<name>` for which `doomed(key, generation)` holds.
+    /// Returns (files, bytes) freed.
+    pub fn delete_matching(&self, prefix: &str, doomed: impl Fn(&str, &str) -> bool) -> io::Result<(u64, u64)> {
+        let (mut files, mut bytes) = (0, 0);
+        let dir = self.objects.join(prefix);
+        for generation in read_dir_names(&dir)? {
+            for name in read_dir_names(&dir.join(&generation))? {
+                let key = format!("{prefix}/{generation}/{name}");
+                if doomed(&key, &generation) {
+                    let path = dir.join(&generation).join(&name);
+                    let len = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+                    if remove_if_present(&path)? {
+                        files += 1;
+                        bytes += len;
+                    }
+                }
+            }
+        }
+        Ok((files, bytes))
+    }
+
+    /// Deletes temp files older than `age` (left by writers that crashed). Returns (files, bytes).
+    pub fn delete_temp_older_than(&self, age: std::time::Duration) -> io::Result<(u64, u64)> {
+        let (mut files, mut bytes) = (0, 0);
+        for name in read_dir_names(&self.tmp)? {
+            let path = self.tmp.join(name);
+            if crate::cleaner::older_than(&path, age) {
+                let len = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+                if remove_if_present(&path)? {
+                    files += 1;
+                    bytes += len;
+                }
+            }
+        }
+        Ok((files, bytes))
+    }
 }
 
-fn dir_size(dir: &Path) -> io::Result<u64> {
+fn remove_if_present(path: &Path) -> io::Result<bool> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+fn read_dir_names(dir: &Path) -> io::Result<Vec<String>> {
+    match fs::read_dir(dir) {
+        Ok(entries) => Ok(entries.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(e),
+    }
+}
+
+/// (files, bytes) under `dir`, recursively.
+fn dir_size(dir: &Path) -> io::Result<(u64, u64)> {
     let entries = match fs::read_dir(dir) {
         Ok(entries) => entries,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((0, 0)),
         Err(e) => return Err(e),
     };
-    let mut total = 0;
+    let (mut files, mut bytes) = (0, 0);
     for entry in entries {
         let entry = entry?;
         let meta = entry.metadata()?;
-        total += if meta.is_dir() { dir_size(&entry.path())? } else { meta.len() };
+        if meta.is_dir() {
+            let (f, b) = dir_size(&entry.path())?;
+            files += f;
+            bytes += b;
+        } else {
+            files += 1;
+            bytes += meta.len();
+        }
     }
-    Ok(total)
+    Ok((files, bytes))
 }
 
 #[cfg(test)]

@@ -8,8 +8,10 @@ use std::time::Duration;
 
 use std::path::Path;
 
+use exportd::clock::Clock;
 use exportd::http::{self, AppState};
 use exportd::jobs::{Step, WorkerConfig, WorkerDeps};
+use exportd::links::LinkKeys;
 use exportd::storage::ArtifactStore;
 use exportd::tenants::{Registry, Tenant};
 use serde_json::Value;
@@ -36,17 +38,31 @@ pub struct TestApp {
     pub registry: Arc<Registry>,
     pub client: reqwest::Client,
     pub data_dir: tempfile::TempDir,
+    /// The server's clock: tests move it instead of sleeping.
+    pub clock: Clock,
 }
+
+/// The test server's link keys (the first signs).
+pub const LINK_KEYS: &str =
+    "t2=test-link-key-2-0123456789abcdef0123456789,t1=test-link-key-1-0123456789abcdef0123456789";
 
 impl TestApp {
     pub async fn spawn(pool: PgPool) -> TestApp {
         let registry = prepare_db(&pool).await;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().unwrap();
-        let app = http::app(AppState { pool: pool.clone(), registry: registry.clone() });
-        tokio::spawn(http::serve(listener, app, std::future::pending(), Duration::from_secs(1)));
         let data_dir = tempfile::tempdir().expect("temp dir");
-        TestApp { addr, pool, registry, client: reqwest::Client::new(), data_dir }
+        let clock = Clock::system();
+        let state = AppState {
+            pool: pool.clone(),
+            registry: registry.clone(),
+            store: ArtifactStore::open(data_dir.path()).expect("artifact store"),
+            links: Arc::new(LinkKeys::parse(LINK_KEYS).unwrap()),
+            clock: clock.clone(),
+            link_ttl: Duration::from_secs(300),
+        };
+        tokio::spawn(http::serve(listener, http::app(state), std::future::pending(), Duration::from_secs(1)));
+        TestApp { addr, pool, registry, client: reqwest::Client::new(), data_dir, clock }
     }
 
     /// Worker dependencies over this app's database and artifact directory. Pages of 7 rows
@@ -111,6 +127,23 @@ impl TestApp {
             .fetch_one(&self.pool)
             .await
             .unwrap()
+    }
+
+    /// Another server over the same database, files, link keys and clock, with other tenant
+    /// configuration (e.g. a principal disabled since). Returns its base URL.
+    pub async fn sibling(&self, registry: Arc<Registry>) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().unwrap();
+        let state = AppState {
+            pool: self.pool.clone(),
+            registry,
+            store: ArtifactStore::open(self.data_dir.path()).expect("artifact store"),
+            links: Arc::new(LinkKeys::parse(LINK_KEYS).unwrap()),
+            clock: self.clock.clone(),
+            link_ttl: Duration::from_secs(300),
+        };
+        tokio::spawn(http::serve(listener, http::app(state), std::future::pending(), Duration::from_secs(1)));
+        format!("http://{addr}")
     }
 
     pub fn url(&self, path: &str) -> String {

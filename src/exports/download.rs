@@ -1,0 +1,64 @@
+//! What a download may serve: the object, its layout and validator, after every check.
+
+use uuid::Uuid;
+
+use super::{ExportError, ExportJob, ExportState, Layout, get, shards};
+use crate::auth::Caller;
+
+/// A downloadable object of an export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Object {
+    /// The whole export as one gzip file.
+    File,
+    Shard(u32),
+}
+
+impl Object {
+    /// The name links are bound to: `file` or `shard-<n>`.
+    pub fn name(self) -> String {
+        match self {
+            Object::File => "file".to_owned(),
+            Object::Shard(n) => format!("shard-{n}"),
+        }
+    }
+}
+
+pub struct Download {
+    pub job: ExportJob,
+    pub object: Object,
+    pub layout: Layout,
+    /// Strong ETag: the quoted sha256 of the bytes.
+    pub etag: String,
+    pub filename: String,
+}
+
+/// Checks, at every download, that the caller may see the export, is still granted its dataset,
+/// and that the export still has files; then lays the object out.
+pub async fn open(pool: &sqlx::PgPool, caller: &Caller, id: Uuid, object: Object) -> Result<Download, ExportError> {
+    let job = get(pool, caller, id).await?;
+    let dataset = caller.tenant.dataset(&job.dataset).ok_or(ExportError::DatasetNotGranted)?;
+    if !caller.principal.is_granted(&dataset.name) {
+        return Err(ExportError::DatasetNotGranted);
+    }
+    match job.state {
+        ExportState::Succeeded => {}
+        ExportState::Queued | ExportState::Running | ExportState::CancelRequested => {
+            return Err(ExportError::NotPublished(job.state));
+        }
+        gone => return Err(ExportError::Gone(gone)),
+    }
+    let shards = shards(pool, id).await?;
+    let extension = if job.format == "csv" { "csv.gz" } else { "jsonl.gz" };
+    let (layout, sha256, filename) = match object {
+        Object::File => (
+            Layout::whole_file(&shards),
+            job.file_sha256.clone().unwrap_or_default(),
+            format!("{}-{}.{extension}", job.dataset, job.id),
+        ),
+        Object::Shard(n) => {
+            let shard = shards.get(n as usize).ok_or(ExportError::NotFound)?;
+            (Layout::shard(shard), shard.sha256.clone(), format!("{}-{}-shard-{n:05}.{extension}", job.dataset, job.id))
+        }
+    };
+    Ok(Download { etag: format!("\"{sha256}\""), job, object, layout, filename })
+}

@@ -1,0 +1,51 @@
+//! `GET /v1/audit`: the tenant's audit log, for tenant admins.
+
+use axum::extract::State;
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::{router::OpenApiRouter, routes};
+
+use super::error::{ApiError, ApiResult};
+use super::extract::Query;
+use super::state::AppState;
+use crate::auth::Caller;
+use crate::exports::audit::{self, AuditEntry};
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(audit_log))
+}
+
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct AuditParams {
+    /// `next_cursor` of the previous page.
+    cursor: Option<String>,
+    /// Page size, 1 to 500 (default 100).
+    limit: Option<u32>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct AuditPage {
+    events: Vec<AuditEntry>,
+    next_cursor: Option<String>,
+}
+
+/// Who created, cancelled, revoked and downloaded what, newest first.
+#[utoipa::path(get, path = "/v1/audit", tag = "audit", security(("bearer" = [])), params(AuditParams),
+    responses((status = 200, body = AuditPage), (status = 403, description = "not a tenant admin")))]
+async fn audit_log(
+    State(state): State<AppState>,
+    caller: Caller,
+    Query(params): Query<AuditParams>,
+) -> ApiResult<axum::Json<AuditPage>> {
+    if !caller.principal.is_admin() {
+        return Err(ApiError::forbidden("only tenant admins can read the audit log"));
+    }
+    let limit = params.limit.unwrap_or(100);
+    if !(1..=500).contains(&limit) {
+        return Err(ApiError::invalid_field("limit", "must be between 1 and 500"));
+    }
+    let (events, next_cursor) =
+        audit::page(&state.pool, caller.tenant.id.as_str(), params.cursor.as_deref(), limit).await?;
+    Ok(axum::Json(AuditPage { events, next_cursor }))
+}

@@ -1,0 +1,252 @@
+//! Downloads of the whole file and of single shards: bearer token or signed link, checked on
+//! every request; RFC 9110 ranges; streamed from storage with bounded memory.
+
+use std::net::SocketAddr;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{ConnectInfo, State};
+use axum::http::header::{
+    ACCEPT_RANGES, AUTHORIZATION, CONTENT_DISPOSITION, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, ETAG, IF_RANGE,
+    RANGE,
+};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use tokio::io::{AsyncReadExt, AsyncSeekExt};
+use utoipa::IntoParams;
+use utoipa_axum::{router::OpenApiRouter, routes};
+use uuid::Uuid;
+
+use super::error::{ApiError, ApiResult};
+use super::exports::export_id;
+use super::extract::{Path, Query, caller_from_headers};
+use super::range::{RangeAnswer, decide};
+use super::state::AppState;
+use crate::auth::Caller;
+use crate::exports::Segment;
+use crate::exports::audit::{self, AuditEvent};
+use crate::exports::download::{self, Download, Object};
+use crate::links::LinkError;
+use crate::storage::ArtifactStore;
+
+const READ_CHUNK: usize = 64 * 1024;
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(download_file)).routes(routes!(download_shard))
+}
+
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct LinkQuery {
+    /// A signed link token from the export's status (instead of a bearer token).
+    token: Option<String>,
+}
+
+/// The whole export as one gzip file (one CSV header).
+#[utoipa::path(get, path = "/v1/exports/{id}/file", tag = "downloads", params(("id" = String, Path), LinkQuery),
+    responses((status = 200, description = "the file"), (status = 206, description = "a range of it"),
+        (status = 403, description = "bad, expired or foreign link; principal disabled or no longer granted"),
+        (status = 404, description = "absent or not visible"), (status = 409, description = "not published yet"),
+        (status = 410, description = "revoked, expired, cancelled or failed"),
+        (status = 416, description = "range not satisfiable; `Content-Range: bytes */len`")))]
+async fn download_file(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Query(query): Query<LinkQuery>,
+    method: Method,
+    headers: HeaderMap,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+) -> Response {
+    serve(&state, &id, Object::File, query.token.as_deref(), &method, &headers, peer).await
+}
+
+/// One shard file.
+#[utoipa::path(get, path = "/v1/exports/{id}/shards/{n}", tag = "downloads",
+    params(("id" = String, Path), ("n" = u32, Path), LinkQuery),
+    responses((status = 200, description = "the shard"), (status = 206, description = "a range of it"),
+        (status = 403, description = "bad, expired or foreign link"), (status = 404, description = "absent"),
+        (status = 410, description = "gone"), (status = 416, description = "range not satisfiable")))]
+async fn download_shard(
+    State(state): State<AppState>,
+    Path((id, n)): Path<(String, u32)>,
+    Query(query): Query<LinkQuery>,
+    method: Method,
+    headers: HeaderMap,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+) -> Response {
+    serve(&state, &id, Object::Shard(n), query.token.as_deref(), &method, &headers, peer).await
+}
+
+async fn serve(
+    state: &AppState,
+    id: &str,
+    object: Object,
+    token: Option<&str>,
+    method: &Method,
+    headers: &HeaderMap,
+    peer: SocketAddr,
+) -> Response {
+    let outcome = async {
+        let caller = match token {
+            Some(token) => {
+                let linked = caller_from_link(state, token, id, object)?;
+                // A link presented together with someone else's bearer token is not theirs to use.
+                if headers.contains_key(AUTHORIZATION) {
+                    let bearer = caller_from_headers(state, headers)?;
+                    if bearer.tenant.id != linked.tenant.id || bearer.principal.id != linked.principal.id {
+                        return Err(ApiError::new(
+                            StatusCode::FORBIDDEN,
+                            "invalid-link",
+                            "the link belongs to another principal",
+                        ));
+                    }
+                }
+                linked
+            }
+            None => caller_from_headers(state, headers)?,
+        };
+        let download = download::open(&state.pool, &caller, export_id(id)?, object).await?;
+        Ok::<_, ApiError>((caller, download))
+    }
+    .await;
+    let (caller, download) = match outcome {
+        Ok(found) => found,
+        Err(e) => return e.into_response(),
+    };
+    let range = headers.get(RANGE).and_then(|v| v.to_str().ok());
+    let if_range = headers.get(IF_RANGE).and_then(|v| v.to_str().ok());
+    let len = download.layout.len();
+    let answer = decide(range, if_range, &download.etag, len);
+    let response = respond(&state.store, &download, answer, len);
+    if method != Method::HEAD {
+        let byte_range = match answer {
+            RangeAnswer::Full => None,
+            RangeAnswer::Partial { start, end } => Some(format!("{start}-{end}")),
+            RangeAnswer::Unsatisfiable => range.map(str::to_owned),
+        };
+        let event = AuditEvent {
+            tenant: caller.tenant.id.as_str(),
+            principal: caller.principal.id.as_str(),
+            action: "downloaded",
+            export_id: Some(download.job.id),
+            object: Some(object.name()),
+            byte_range,
+            status: Some(response.status().as_u16()),
+            address: Some(peer.ip().to_string()),
+        };
+        audit::record(&state.pool, event).await;
+    }
+    response
+}
+
+/// A link is the caller's credential: its signature and expiry, its binding to this export and
+/// object, and its principal (still present and enabled) are all checked.
+fn caller_from_link(state: &AppState, token: &str, id: &str, object: Object) -> ApiResult<Caller> {
+    let invalid = |detail: &str| ApiError::new(StatusCode::FORBIDDEN, "invalid-link", detail.to_owned());
+    let claims = state.links.verify(token, state.clock.unix_seconds()).map_err(|e| match e {
+        LinkError::Expired => {
+            ApiError::new(StatusCode::FORBIDDEN, "link-expired", "the link has expired; ask for the status again")
+        }
+        LinkError::Invalid => invalid("the link is not valid"),
+    })?;
+    if Uuid::parse_str(id).ok() != Some(claims.export) || claims.object != object.name() {
+        return Err(invalid("the link is for another object"));
+    }
+    let tenant = state.registry.get(&claims.tenant).ok_or_else(|| invalid("the link is not valid"))?;
+    let principal = tenant.principal(&claims.sub).filter(|p| !p.disabled).ok_or_else(|| {
+        ApiError::new(StatusCode::FORBIDDEN, "principal-disabled", "the link's principal is disabled or removed")
+    })?;
+    Ok(Caller { tenant: tenant.clone(), principal: principal.clone() })
+}
+
+fn respond(store: &ArtifactStore, download: &Download, answer: RangeAnswer, len: u64) -> Response {
+    let etag = HeaderValue::from_str(&download.etag).expect("hex");
+    let (status, start, end) = match answer {
+        RangeAnswer::Unsatisfiable => {
+            let problem = ApiError::new(
+                StatusCode::RANGE_NOT_SATISFIABLE,
+                "range-not-satisfiable",
+                format!("the object has {len} bytes"),
+            );
+            let mut response = problem.into_response();
+            let headers = response.headers_mut();
+            headers.insert(CONTENT_RANGE, HeaderValue::from_str(&format!("bytes */{len}")).expect("ascii"));
+            headers.insert(ACCEPT_RANGES, HeaderValue::from_static("bytes"));
+            headers.insert(ETAG, etag);
+            return response;
+        }
+        RangeAnswer::Full => (StatusCode::OK, 0, len.saturating_sub(1)),
+        RangeAnswer::Partial { start, end } => (StatusCode::PARTIAL_CONTENT, start, end),
+    };
+    let body_len = if len == 0 { 0 } else { end - start + 1 };
+    let segments = if len == 0 { Vec::new() } else { download.layout.slice(start, end) };
+    let disposition = format!("attachment; filename=\"{}\"", download.filename);
+    let mut response = (status, stream(store.clone(), segments)).into_response();
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/gzip"));
+    headers.insert(CONTENT_LENGTH, HeaderValue::from(body_len));
+    headers.insert(ACCEPT_RANGES, HeaderValue::from_static("bytes"));
+    headers.insert(ETAG, etag);
+    headers.insert(CONTENT_DISPOSITION, HeaderValue::from_str(&disposition).expect("ascii file name"));
+    if status == StatusCode::PARTIAL_CONTENT {
+        headers.insert(CONTENT_RANGE, HeaderValue::from_str(&format!("bytes {start}-{end}/{len}")).expect("ascii"));
+    }
+    response
+}
+
+/// A body that reads the segments in order. A task reads ahead at most a few chunks; when the
+/// client goes away the channel closes and the task stops.
+fn stream(store: ArtifactStore, segments: Vec<Segment>) -> Body {
+    let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(4);
+    tokio::spawn(async move {
+        for segment in segments {
+            let sent = match segment {
+                Segment::Inline(bytes) => tx.send(Ok(Bytes::from(bytes))).await.is_ok(),
+                Segment::Object { key, offset, len } => send_range(&tx, &store, &key, offset, len).await,
+            };
+            if !sent {
+                return;
+            }
+        }
+    });
+    Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) }))
+}
+
+async fn send_range(
+    tx: &tokio::sync::mpsc::Sender<std::io::Result<Bytes>>,
+    store: &ArtifactStore,
+    key: &crate::storage::ObjectKey,
+    offset: u64,
+    len: u64,
+) -> bool {
+    let opened = async {
+        let mut file = tokio::fs::File::open(store.path(key)).await?;
+        file.seek(std::io::SeekFrom::Start(offset)).await?;
+        Ok::<_, std::io::Error>(file.take(len))
+    }
+    .await;
+    let mut reader = match opened {
+        Ok(reader) => reader,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot open an object for download");
+            let _ = tx.send(Err(e)).await;
+            return false;
+        }
+    };
+    loop {
+        let mut buf = vec![0u8; READ_CHUNK];
+        match reader.read(&mut buf).await {
+            Ok(0) => return true,
+            Ok(n) => {
+                buf.truncate(n);
+                if tx.send(Ok(Bytes::from(buf))).await.is_err() {
+                    return false;
+                }
+            }
+            Err(e) => {
+                let _ = tx.send(Err(e)).await;
+                return false;
+            }
+        }
+    }
+}
