@@ -5,6 +5,7 @@
 
 pub mod auth;
 pub mod cleaner;
+pub mod client;
 pub mod clock;
 pub mod config;
 pub mod db;

@@ -1,10 +1,12 @@
 //! The `exportd` binary: parses the command line and calls into the library.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use exportd::client::DownloadOptions;
 use exportd::config::Settings;
 use exportd::server::ServeOptions;
 use exportd::tenants::Registry;
@@ -59,6 +61,29 @@ enum Command {
         #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
         ttl: Duration,
     },
+    /// Download a published export (partners): resumes partial files, verifies every sha256.
+    Download {
+        /// The export id.
+        export_id: String,
+        /// Directory to write into.
+        #[arg(long)]
+        out: PathBuf,
+        /// Server URL.
+        #[arg(long, env = "EXPORTD_URL", default_value = "http://127.0.0.1:8080")]
+        url: String,
+        /// Bearer token of the export's owner or a tenant admin.
+        #[arg(long, env = "EXPORTD_TOKEN", hide_env_values = true)]
+        token: String,
+        /// Fetch the shard files instead of the whole file.
+        #[arg(long)]
+        shards: bool,
+        /// Shards fetched at once (above 1 implies --shards).
+        #[arg(long, default_value_t = 1)]
+        parallel: usize,
+        /// Bytes per second per transfer (0 = unlimited).
+        #[arg(long, default_value_t = 0)]
+        limit_rate: u64,
+    },
     /// Load deterministic synthetic records with COPY.
     Seed {
         #[arg(long)]
@@ -87,6 +112,15 @@ async fn main() -> anyhow::Result<()> {
             exportd::server::serve(&settings, options).await
         }
         Command::Worker { workers, exit_when_idle } => exportd::server::work(&settings, workers, exit_when_idle).await,
+        Command::Download { export_id, out, url, token, shards, parallel, limit_rate } => {
+            let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
+            let options =
+                DownloadOptions { base_url: url, token, export_id, out, shards, parallel, limit_rate, progress };
+            for path in exportd::client::download(&options).await? {
+                println!("{}", path.display());
+            }
+            Ok(())
+        }
         Command::Migrate => {
             exportd::server::prepare(&settings, 2).await?;
             println!("database is up to date");

@@ -74,23 +74,7 @@ impl ArtifactStore {
 
     /// Size and sha256 of an object, or `None` when it does not exist.
     pub fn digest(&self, key: &ObjectKey) -> io::Result<Option<(u64, String)>> {
-        let mut file = match self.open_object(key) {
-            Ok(file) => file,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(e),
-        };
-        let mut hasher = Sha256::new();
-        let mut buf = vec![0u8; 256 * 1024];
-        let mut bytes = 0u64;
-        loop {
-            let n = file.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            hasher.update(&buf[..n]);
-            bytes += n as u64;
-        }
-        Ok(Some((bytes, hex::encode(hasher.finalize()))))
+        file_digest(&self.path(key))
     }
 
     /// Deletes an object; a missing one is fine. Returns the bytes freed.
@@ -169,6 +153,27 @@ impl ArtifactStore {
         }
         Ok((files, bytes))
     }
+}
+
+/// Size and lowercase hex sha256 of a file, or `None` when it does not exist (blocking).
+pub fn file_digest(path: &Path) -> io::Result<Option<(u64, String)>> {
+    let mut file = match File::open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut bytes = 0u64;
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        bytes += n as u64;
+    }
+    Ok(Some((bytes, hex::encode(hasher.finalize()))))
 }
 
 fn remove_if_present(path: &Path) -> io::Result<bool> {

@@ -1,0 +1,150 @@
+//! `exportd download` against a real server: resume after a kill, parallel shards, checksums.
+
+mod common;
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::TestApp;
+use exportd::jobs::Step;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use tokio::process::Command;
+
+async fn published(app: &TestApp) -> (String, Value) {
+    app.seed("acme", "tickets", 600).await;
+    let token = app.token("acme", "alice");
+    let id = app.export(&token, &json!({"dataset": "tickets", "format": "csv", "shard_rows": 200})).await;
+    assert_eq!(app.drain().await, vec![Step::Published]);
+    let manifest: Value = app.get(Some(&token), &format!("/v1/exports/{id}/manifest")).await.json().await.unwrap();
+    (id, manifest)
+}
+
+fn client(app: &TestApp, id: &str, out: &Path, extra: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_exportd"));
+    command
+        .args(["download", id, "--out"])
+        .arg(out)
+        .args(extra)
+        .env("EXPORTD_URL", app.url(""))
+        .env("EXPORTD_TOKEN", app.token("acme", "alice"))
+        .env("EXPORTD_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    command
+}
+
+fn sha256_of(path: &Path) -> String {
+    exportd::storage::file_digest(path).unwrap().unwrap().1
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_killed_download_resumes_where_it_stopped(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let (id, manifest) = published(&app).await;
+    let total = manifest["file"]["bytes"].as_u64().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let name = manifest["file"]["name"].as_str().unwrap();
+    let part = out.path().join(format!("{name}.part"));
+
+    let mut slow = client(&app, &id, out.path(), &["--limit-rate", "8000"]).spawn().unwrap();
+    // Wait for real progress on disk, then kill the process mid-transfer.
+    let mut have = 0;
+    for _ in 0..500 {
+        have = std::fs::metadata(&part).map(|m| m.len()).unwrap_or(0);
+        if have >= 8000 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    slow.kill().await.unwrap();
+    let have = std::fs::metadata(&part).unwrap().len().max(have);
+    assert!(have >= 8000 && have < total, "killed mid-transfer ({have} of {total} bytes)");
+
+    let resumed = client(&app, &id, out.path(), &[]).output().await.unwrap();
+    assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
+    let file = out.path().join(name);
+    assert_eq!(sha256_of(&file), manifest["file"]["sha256"]);
+    assert!(!part.exists());
+    let (status, range): (i32, String) =
+        sqlx::query_as("SELECT status, byte_range FROM audit_log WHERE action = 'downloaded' ORDER BY id DESC LIMIT 1")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(status, 206, "the second run asked for the rest only");
+    assert!(range.ends_with(&format!("-{}", total - 1)) && !range.starts_with("0-"), "{range}");
+
+    // Running again finds the file complete and downloads nothing.
+    let downloads = || {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM audit_log WHERE action = 'downloaded'").fetch_one(&app.pool)
+    };
+    let before = downloads().await.unwrap();
+    assert!(client(&app, &id, out.path(), &[]).output().await.unwrap().status.success());
+    assert_eq!(downloads().await.unwrap(), before);
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn shards_download_in_parallel_and_match_the_manifest(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let (id, manifest) = published(&app).await;
+    let out = tempfile::tempdir().unwrap();
+    let run = client(&app, &id, out.path(), &["--parallel", "3"]).output().await.unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let shards = manifest["shards"].as_array().unwrap();
+    assert_eq!(shards.len(), 3);
+    for shard in shards {
+        assert_eq!(sha256_of(&out.path().join(shard["name"].as_str().unwrap())), shard["sha256"]);
+    }
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_changed_validator_restarts_the_file(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let (id, manifest) = published(&app).await;
+    let out = tempfile::tempdir().unwrap();
+    let name = manifest["file"]["name"].as_str().unwrap();
+    std::fs::write(out.path().join(format!("{name}.part")), vec![b'x'; 500]).unwrap();
+    // The server now names the file by another validator: If-Range fails, the whole file comes.
+    sqlx::query("UPDATE export_jobs SET file_sha256 = repeat('f', 64) WHERE id = $1::uuid")
+        .bind(&id)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let run = client(&app, &id, out.path(), &[]).output().await.unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert_eq!(sha256_of(&out.path().join(name)), manifest["file"]["sha256"]);
+    let status: i32 =
+        sqlx::query_scalar("SELECT status FROM audit_log WHERE action = 'downloaded' ORDER BY id DESC LIMIT 1")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(status, 200);
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_corrupted_download_fails_with_a_clear_message(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let (id, manifest) = published(&app).await;
+    let key: String =
+        sqlx::query_scalar("SELECT object_key FROM export_shards WHERE export_id = $1::uuid AND shard_index = 1")
+            .bind(&id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    let path = app.data_dir.path().join("objects").join(key);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0xff;
+    std::fs::write(&path, bytes).unwrap();
+
+    let out = tempfile::tempdir().unwrap();
+    let run = client(&app, &id, out.path(), &["--shards"]).output().await.unwrap();
+    assert!(!run.status.success());
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        stderr.contains("checksum mismatch for") && stderr.contains(manifest["shards"][1]["name"].as_str().unwrap()),
+        "{stderr}"
+    );
+    assert!(!out.path().join(manifest["shards"][1]["name"].as_str().unwrap()).exists());
+}
