@@ -17,4 +17,10 @@ pub struct Settings {
     /// Directory for export artifacts and other local state.
     #[arg(long, env = "EXPORTD_DATA_DIR", default_value = "./data", global = true)]
     pub data_dir: PathBuf,
+
+    /// Server keys `kid=secret[,kid=secret…]` that sign download links and feed cursors (the first
+    /// signs, all verify). Give every process the same keys; keep old keys listed while cursors
+    /// signed with them may still be in use.
+    #[arg(long, env = "EXPORTD_LINK_KEYS", hide_env_values = true, global = true)]
+    pub link_keys: Option<String>,
 }

@@ -10,6 +10,7 @@ pub mod clock;
 pub mod config;
 pub mod db;
 pub mod exports;
+pub mod feeds;
 pub mod http;
 pub mod jobs;
 pub mod links;

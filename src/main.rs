@@ -30,10 +30,6 @@ enum Command {
         /// In-process export workers (0 = API only; run `exportd worker` elsewhere).
         #[arg(long, env = "EXPORTD_WORKERS", default_value_t = 2)]
         workers: usize,
-        /// Download-link signing keys, `kid=secret[,kid=secret…]` (the first signs, all verify).
-        /// Every process serving downloads needs the same keys.
-        #[arg(long, env = "EXPORTD_LINK_KEYS", hide_env_values = true)]
-        link_keys: Option<String>,
         /// Lifetime of signed download links.
         #[arg(long, env = "EXPORTD_LINK_TTL", default_value = "5m", value_parser = humantime::parse_duration)]
         link_ttl: Duration,
@@ -107,8 +103,8 @@ async fn main() -> anyhow::Result<()> {
     exportd::telemetry::init();
     let settings = cli.settings;
     match cli.command {
-        Command::Serve { listen, workers, link_keys, link_ttl, clean_every } => {
-            let options = ServeOptions { listen, workers, link_keys, link_ttl, clean_every };
+        Command::Serve { listen, workers, link_ttl, clean_every } => {
+            let options = ServeOptions { listen, workers, link_ttl, clean_every };
             exportd::server::serve(&settings, options).await
         }
         Command::Worker { workers, exit_when_idle } => exportd::server::work(&settings, workers, exit_when_idle).await,

@@ -12,12 +12,15 @@ use tokio::sync::watch;
 use crate::clock::Clock;
 use crate::config::Settings;
 use crate::db;
+use crate::feeds;
 use crate::http::{self, AppState};
 use crate::jobs::{self, WorkerConfig, WorkerDeps};
 use crate::links::LinkKeys;
 use crate::storage::ArtifactStore;
 use crate::tenants::Registry;
 
+/// How often the feed ticker records a snapshot.
+const TICK_EVERY: Duration = Duration::from_secs(1);
 /// How often `exportd worker` runs the cleaner (`serve` takes `--clean-every`).
 const CLEAN_EVERY: Duration = Duration::from_secs(60);
 /// In-flight requests get this long after a shutdown signal.
@@ -38,8 +41,6 @@ pub async fn prepare(settings: &Settings, max_connections: u32) -> anyhow::Resul
 pub struct ServeOptions {
     pub listen: SocketAddr,
     pub workers: usize,
-    /// `kid=secret[,…]`; without it links are signed with a per-process random key.
-    pub link_keys: Option<String>,
     pub link_ttl: Duration,
     pub clean_every: Duration,
 }
@@ -47,13 +48,6 @@ pub struct ServeOptions {
 /// `exportd serve`: the HTTP API, `workers` in-process workers and the cleaner, until SIGINT or
 /// SIGTERM.
 pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result<()> {
-    let links = match &options.link_keys {
-        Some(spec) => LinkKeys::parse(spec).map_err(|e| anyhow::anyhow!("EXPORTD_LINK_KEYS: {e}"))?,
-        None => {
-            tracing::warn!("EXPORTD_LINK_KEYS is not set: download links only work on this process until it stops");
-            LinkKeys::ephemeral()
-        }
-    };
     let (pool, registry) = prepare(settings, 16 + options.workers as u32).await?;
     let deps = worker_deps(settings, pool.clone(), registry.clone())?;
     let listener =
@@ -63,11 +57,12 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     let clock = Clock::system();
     let mut handles = jobs::spawn_workers(&deps, options.workers, &shutdown);
     handles.push(spawn_cleaner(&deps, clock.clone(), options.clean_every, &shutdown));
+    handles.push(tokio::spawn(feeds::run_ticker(pool.clone(), TICK_EVERY, shutdown.clone())));
     let state = AppState {
         pool: pool.clone(),
         registry,
         store: deps.store.clone(),
-        links: Arc::new(links),
+        links: deps.keys.clone(),
         clock,
         link_ttl: options.link_ttl,
     };
@@ -113,6 +108,7 @@ pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> 
         let shutdown = shutdown_channel();
         let mut handles = jobs::spawn_workers(&deps, workers, &shutdown);
         handles.push(spawn_cleaner(&deps, Clock::system(), CLEAN_EVERY, &shutdown));
+        handles.push(tokio::spawn(feeds::run_ticker(deps.pool.clone(), TICK_EVERY, shutdown.clone())));
         join_workers(handles).await;
     }
     pool.close().await;
@@ -122,7 +118,19 @@ pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> 
 fn worker_deps(settings: &Settings, pool: PgPool, registry: Arc<Registry>) -> anyhow::Result<WorkerDeps> {
     let store = ArtifactStore::open(&settings.data_dir)
         .with_context(|| format!("opening the artifact store in {}", settings.data_dir.display()))?;
-    Ok(WorkerDeps { pool, registry, store, config: WorkerConfig::default() })
+    let keys = Arc::new(server_keys(settings)?);
+    Ok(WorkerDeps { pool, registry, store, keys, config: WorkerConfig::default() })
+}
+
+/// The keys that sign links and cursors.
+fn server_keys(settings: &Settings) -> anyhow::Result<LinkKeys> {
+    match &settings.link_keys {
+        Some(spec) => LinkKeys::parse(spec).map_err(|e| anyhow::anyhow!("EXPORTD_LINK_KEYS: {e}")),
+        None => {
+            tracing::warn!("EXPORTD_LINK_KEYS is not set: links and cursors signed here only verify in this process");
+            Ok(LinkKeys::ephemeral())
+        }
+    }
 }
 
 /// Turns true on SIGINT or SIGTERM.

@@ -5,6 +5,7 @@ mod downloads;
 mod error;
 mod exports;
 mod extract;
+mod feeds;
 mod health;
 mod openapi;
 mod range;

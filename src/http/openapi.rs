@@ -5,7 +5,7 @@ use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 
 use super::state::AppState;
-use super::{audit, downloads, exports, health, records};
+use super::{audit, downloads, exports, feeds, health, records};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -33,4 +33,5 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .merge(exports::router())
         .merge(downloads::router())
         .merge(audit::router())
+        .merge(feeds::router())
 }

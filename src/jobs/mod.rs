@@ -15,6 +15,7 @@ use tokio::sync::watch;
 pub use fenced::{Lease, LeaseLost};
 pub use runner::{ClaimedExport, Step};
 
+use crate::links::LinkKeys;
 use crate::storage::ArtifactStore;
 use crate::tenants::Registry;
 
@@ -47,6 +48,8 @@ pub struct WorkerDeps {
     pub pool: PgPool,
     pub registry: Arc<Registry>,
     pub store: ArtifactStore,
+    /// Server keys: sign the `next_cursor` in manifests.
+    pub keys: Arc<LinkKeys>,
     pub config: WorkerConfig,
 }
 

@@ -13,6 +13,7 @@ use super::shard::{self, ShardJob, ShardStop};
 use crate::exports::{
     self, ExportJob, ExportState, Layout, Manifest, ManifestFile, ManifestShard, ShardRecord, shard_name,
 };
+use crate::feeds::Cursor;
 use crate::records::{AsOf, Snapshot};
 use crate::storage::ObjectKey;
 use crate::tenants::{DatasetName, TenantId};
@@ -366,11 +367,24 @@ impl ClaimedExport {
         let store = self.deps.store.clone();
         let file_layout = layout.clone();
         let file_sha256 = tokio::task::spawn_blocking(move || file_layout.sha256(&store)).await??;
-        let manifest = self.manifest(ManifestFile {
-            name: format!("{}.{}", self.job.dataset, self.plan.format.extension()),
-            bytes: layout.len(),
-            sha256: file_sha256,
-        });
+        let cluster = crate::feeds::system_identifier(&self.deps.pool).await?;
+        let next_cursor = Cursor::new(
+            &self.job.tenant,
+            &self.job.principal,
+            &self.job.dataset,
+            &cluster,
+            self.plan.watermark.as_str(),
+            self.job.created_at.unix_timestamp(),
+        )
+        .encode(&self.deps.keys);
+        let manifest = self.manifest(
+            next_cursor,
+            ManifestFile {
+                name: format!("{}.{}", self.job.dataset, self.plan.format.extension()),
+                bytes: layout.len(),
+                sha256: file_sha256,
+            },
+        );
         let bytes = manifest.to_bytes();
         let artifact_hours = self.deps.registry.get(&self.job.tenant).map_or(0, |t| t.retention.artifact_hours);
         let publication = Publication {
@@ -392,7 +406,7 @@ impl ClaimedExport {
         }
     }
 
-    fn manifest(&self, file: ManifestFile) -> Manifest {
+    fn manifest(&self, next_cursor: String, file: ManifestFile) -> Manifest {
         let shards: Vec<ManifestShard> = self
             .checkpoints
             .iter()
@@ -419,7 +433,7 @@ impl ClaimedExport {
             snapshot_watermark: self.plan.watermark.to_string(),
             created_at: self.job.created_at.format(&time::format_description::well_known::Rfc3339).expect("formats"),
             from_cursor: None,
-            next_cursor: None,
+            next_cursor: Some(next_cursor),
             total_rows: shards.iter().map(|s| s.rows).sum(),
             total_bytes: shards.iter().map(|s| s.bytes).sum(),
             file,

@@ -78,9 +78,21 @@ impl LinkKeys {
         LinkKeys { keys: vec![LinkKey { kid: format!("ephemeral-{}", &secret[..8]), secret: secret.into_bytes() }] }
     }
 
+    /// The kid and key that sign (the first).
+    pub fn signing_key(&self) -> (&str, EncodingKey) {
+        let key = &self.keys[0];
+        (&key.kid, EncodingKey::from_secret(&key.secret).expect("link secrets are not empty"))
+    }
+
+    /// The verifying key for `kid`, if it is one of ours.
+    pub fn decoding_key(&self, kid: &str) -> Option<DecodingKey> {
+        let key = self.keys.iter().find(|k| k.kid == kid)?;
+        DecodingKey::from_secret(&key.secret).ok()
+    }
+
     /// A token for `object` of `export`, valid until `now + ttl`.
     pub fn sign(&self, tenant: &str, principal: &str, export: Uuid, object: &str, now: u64, ttl: Duration) -> String {
-        let key = &self.keys[0];
+        let (kid, encoding) = self.signing_key();
         let claims = LinkClaims {
             tenant: tenant.to_owned(),
             sub: principal.to_owned(),
@@ -90,8 +102,7 @@ impl LinkKeys {
             exp: now + ttl.as_secs(),
         };
         let mut header = Header::new(Algorithm::HS256);
-        header.kid = Some(key.kid.clone());
-        let encoding = EncodingKey::from_secret(&key.secret).expect("link secrets are not empty");
+        header.kid = Some(kid.to_owned());
         jsonwebtoken::encode(&header, &claims, &encoding).expect("link claims serialize")
     }
 
@@ -99,13 +110,11 @@ impl LinkKeys {
     /// move time instead of sleeping). The HMAC comparison is constant-time.
     pub fn verify(&self, token: &str, now: u64) -> Result<LinkClaims, LinkError> {
         let header = jsonwebtoken::decode_header(token).map_err(|_| LinkError::Invalid)?;
-        let kid = header.kid.ok_or(LinkError::Invalid)?;
-        let key = self.keys.iter().find(|k| k.kid == kid).ok_or(LinkError::Invalid)?;
+        let decoding = self.decoding_key(&header.kid.ok_or(LinkError::Invalid)?).ok_or(LinkError::Invalid)?;
         let mut validation = Validation::new(Algorithm::HS256);
         validation.set_audience(&[AUDIENCE]);
         validation.set_required_spec_claims(&["exp", "aud", "sub"]);
         validation.validate_exp = false; // checked below against the injected clock
-        let decoding = DecodingKey::from_secret(&key.secret).map_err(|_| LinkError::Invalid)?;
         let claims =
             jsonwebtoken::decode::<LinkClaims>(token, &decoding, &validation).map_err(|_| LinkError::Invalid)?.claims;
         if claims.exp <= now {

@@ -76,6 +76,7 @@ impl TestApp {
             pool: self.pool.clone(),
             registry,
             store: ArtifactStore::open(data_dir).expect("artifact store"),
+            keys: Arc::new(LinkKeys::parse(LINK_KEYS).unwrap()),
             config: WorkerConfig { page_rows: 7, ..WorkerConfig::default() },
         }
     }
@@ -98,6 +99,42 @@ impl TestApp {
         let response = self.create_export(token, Some(&uuid::Uuid::new_v4().to_string()), body).await;
         assert_eq!(response.status(), 202);
         response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned()
+    }
+
+    /// Records a feed tick now.
+    pub async fn tick(&self) {
+        exportd::feeds::tick(&self.pool, Duration::ZERO).await.unwrap().expect("ticked");
+    }
+
+    /// Moves the server clock past the tenant's safety delay (acme: 5 s by default).
+    pub fn pass_safety_delay(&self) {
+        self.clock.advance(Duration::from_secs(6));
+    }
+
+    /// Pulls pages from `cursor` until the end of the stream; returns the changes and the last cursor.
+    pub async fn pull_all(&self, token: &str, dataset: &str, cursor: &str, limit: usize) -> (Vec<Value>, String) {
+        let mut cursor = cursor.to_owned();
+        let mut changes = Vec::new();
+        loop {
+            let page = self.pull(token, dataset, &cursor, limit).await;
+            changes.extend(page["changes"].as_array().unwrap().iter().cloned());
+            cursor = page["next_cursor"].as_str().unwrap().to_owned();
+            if page["end_of_stream"] == true {
+                return (changes, cursor);
+            }
+        }
+    }
+
+    pub async fn pull(&self, token: &str, dataset: &str, cursor: &str, limit: usize) -> Value {
+        let path = format!("/v1/datasets/{dataset}/changes?limit={limit}&cursor={cursor}");
+        let response = self.get(Some(token), &path).await;
+        assert_eq!(response.status(), 200);
+        response.json().await.unwrap()
+    }
+
+    pub async fn cursor_now(&self, token: &str, dataset: &str) -> String {
+        let body: Value = self.get(Some(token), &format!("/v1/datasets/{dataset}/cursor")).await.json().await.unwrap();
+        body["cursor"].as_str().unwrap().to_owned()
     }
 
     pub async fn post(&self, token: &str, path: &str) -> reqwest::Response {

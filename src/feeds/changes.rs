@@ -1,0 +1,126 @@
+//! Pages of changes: the keys of consecutive windows in byte order, each with its state at the
+//! window's end compared with its state at the window's start.
+
+use serde::Serialize;
+use serde_json::Value;
+use serde_json::value::RawValue;
+use sqlx::PgPool;
+use time::OffsetDateTime;
+
+use super::cursor::Cursor;
+use super::window::{Window, next_window};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Op {
+    Upsert,
+    Delete,
+}
+
+/// One key's change within a window: its latest state, or a tombstone.
+#[derive(Debug, Clone, Serialize)]
+pub struct Change {
+    pub op: Op,
+    pub key: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data: Option<Box<RawValue>>,
+}
+
+#[derive(Debug)]
+pub struct ChangePage {
+    pub changes: Vec<Change>,
+    pub next: Cursor,
+    /// Caught up with the newest sealed window.
+    pub end_of_stream: bool,
+}
+
+/// What to read: whose changes, narrowed how, sealed by when.
+pub struct Feed<'a> {
+    pub tenant: &'a str,
+    pub dataset: &'a str,
+    /// The partner's row filter (`{}` for none): a record that stops matching is a delete, one
+    /// that starts matching an upsert.
+    pub row_filter: &'a Value,
+    pub now: OffsetDateTime,
+    pub safety_delay_seconds: u32,
+}
+
+/// Up to `limit` keys' changes after `position`, crossing window boundaries as needed. Windows
+/// are fixed once cut, so the same cursor reads the same page (or, at the head of the stream,
+/// possibly more once newer windows are sealed).
+pub async fn page(pool: &PgPool, feed: &Feed<'_>, mut position: Cursor, limit: usize) -> sqlx::Result<ChangePage> {
+    let mut changes = Vec::new();
+    let mut examined = 0;
+    loop {
+        let window =
+            next_window(pool, feed.tenant, feed.dataset, &position.from, feed.now, feed.safety_delay_seconds).await?;
+        let Some(window) = window else {
+            return Ok(ChangePage { changes, next: position, end_of_stream: true });
+        };
+        let want = limit - examined;
+        let keys: Vec<String> = sqlx::query_scalar(
+            "SELECT key FROM feed_window_keys WHERE window_id = $1 AND key > $2 ORDER BY key LIMIT $3",
+        )
+        .bind(window.id)
+        .bind(position.after.as_deref().unwrap_or(""))
+        .bind(want as i64)
+        .fetch_all(pool)
+        .await?;
+        examined += keys.len();
+        changes.extend(window_changes(pool, feed, &window, &keys).await?);
+        if keys.len() == want {
+            position.after = keys.last().cloned();
+            return Ok(ChangePage { changes, next: position, end_of_stream: false });
+        }
+        position.from = window.to_snapshot.clone();
+        position.after = None;
+        position.ts = window.to_created_at.unix_timestamp();
+    }
+}
+
+/// The changes of `keys` (sorted) in `window`: upsert when the record exists and matches at the
+/// end, delete when it matched at the start but no longer does, nothing otherwise (created and
+/// deleted within the window, or never visible to this partner).
+async fn window_changes(pool: &PgPool, feed: &Feed<'_>, window: &Window, keys: &[String]) -> sqlx::Result<Vec<Change>> {
+    if keys.is_empty() {
+        return Ok(Vec::new());
+    }
+    let rows: Vec<(String, Option<String>, bool, bool)> = sqlx::query_as(
+        "SELECT k.key, b.data::text, coalesce(b.data @> $6, false), coalesce(a.data @> $6, false)
+         FROM unnest($3::text[]) WITH ORDINALITY AS k(key, n)
+         LEFT JOIN LATERAL (
+             SELECT v.data FROM record_versions v
+             WHERE v.tenant = $1 AND v.dataset = $2 AND v.key = k.key AND v.data IS NOT NULL
+               AND pg_visible_in_snapshot(v.created_xid, $4::pg_snapshot)
+               AND (v.closed_xid IS NULL OR NOT pg_visible_in_snapshot(v.closed_xid, $4::pg_snapshot))
+             LIMIT 1) a ON true
+         LEFT JOIN LATERAL (
+             SELECT v.data FROM record_versions v
+             WHERE v.tenant = $1 AND v.dataset = $2 AND v.key = k.key AND v.data IS NOT NULL
+               AND pg_visible_in_snapshot(v.created_xid, $5::pg_snapshot)
+               AND (v.closed_xid IS NULL OR NOT pg_visible_in_snapshot(v.closed_xid, $5::pg_snapshot))
+             LIMIT 1) b ON true
+         ORDER BY k.n",
+    )
+    .bind(feed.tenant)
+    .bind(feed.dataset)
+    .bind(keys)
+    .bind(&window.from_snapshot)
+    .bind(&window.to_snapshot)
+    .bind(feed.row_filter)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|(key, data, matches_at_end, matched_at_start)| {
+            if matches_at_end {
+                let data = data.and_then(|d| RawValue::from_string(d).ok());
+                Some(Change { op: Op::Upsert, key, data })
+            } else if matched_at_start {
+                Some(Change { op: Op::Delete, key, data: None })
+            } else {
+                None
+            }
+        })
+        .collect())
+}

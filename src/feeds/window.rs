@@ -1,0 +1,98 @@
+//! Cutting windows: from a start snapshot to the newest sealed tick. A window, once cut, is
+//! fixed: its changed keys are stored, so every later read of it is the same.
+
+use sqlx::PgPool;
+use time::OffsetDateTime;
+
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct Window {
+    pub id: i64,
+    pub from_snapshot: String,
+    /// The end tick's snapshot; the next window starts here.
+    pub to_snapshot: String,
+    pub to_created_at: OffsetDateTime,
+    pub keys: i64,
+}
+
+const SELECT_WINDOW: &str =
+    "SELECT w.id, w.from_snapshot, t.snapshot::text AS to_snapshot, t.created_at AS to_created_at, w.keys
+     FROM feed_windows w JOIN feed_ticks t ON t.id = w.to_tick
+     WHERE w.tenant = $1 AND w.dataset = $2 AND w.from_snapshot = $3";
+
+/// The window starting at `from`: the one already cut, or a new one ending at the newest tick
+/// sealed by `now - safety_delay` that sees everything `from` sees. `None` when no such tick is
+/// newer than `from` yet (the reader is caught up).
+pub async fn next_window(
+    pool: &PgPool,
+    tenant: &str,
+    dataset: &str,
+    from: &str,
+    now: OffsetDateTime,
+    safety_delay_seconds: u32,
+) -> sqlx::Result<Option<Window>> {
+    if let Some(window) = existing(pool, tenant, dataset, from).await? {
+        return Ok(Some(window));
+    }
+    let sealed_before = now - time::Duration::seconds(i64::from(safety_delay_seconds));
+    let mut tx = pool.begin().await?;
+    let end: Option<i64> = sqlx::query_scalar(
+        "SELECT id FROM feed_ticks
+         WHERE created_at <= $2 AND snapshot::text <> $1
+           AND exportd_snapshot_dominates(snapshot, $1::pg_snapshot)
+         ORDER BY id DESC LIMIT 1",
+    )
+    .bind(from)
+    .bind(sealed_before)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(end) = end else { return Ok(None) };
+    // A concurrent reader cutting the same window waits here on the unique constraint and then
+    // finds this one.
+    let created: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO feed_windows (tenant, dataset, from_snapshot, to_tick, keys) VALUES ($1, $2, $3, $4, 0)
+         ON CONFLICT ON CONSTRAINT feed_windows_start DO NOTHING RETURNING id",
+    )
+    .bind(tenant)
+    .bind(dataset)
+    .bind(from)
+    .bind(end)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some(id) = created {
+        // Keys changed by a transaction visible at the end and not at the start. Two index-range
+        // branches (PgQ's trick): xids from the start's xmax to the end's xmax, plus the short
+        // list of transactions that were running at the start.
+        sqlx::query(
+            "WITH bounds AS (SELECT $4::pg_snapshot AS a, snapshot AS b FROM feed_ticks WHERE id = $5),
+             changed AS (
+                 SELECT v.key, v.created_xid FROM record_versions v, bounds
+                 WHERE v.tenant = $2 AND v.dataset = $3
+                   AND v.created_xid >= pg_snapshot_xmax(bounds.a) AND v.created_xid < pg_snapshot_xmax(bounds.b)
+                 UNION ALL
+                 SELECT v.key, v.created_xid FROM record_versions v, bounds, pg_snapshot_xip(bounds.a) AS running(xid)
+                 WHERE v.tenant = $2 AND v.dataset = $3 AND v.created_xid = running.xid)
+             INSERT INTO feed_window_keys (window_id, key)
+             SELECT DISTINCT $1::bigint, c.key FROM changed c, bounds
+             WHERE pg_visible_in_snapshot(c.created_xid, bounds.b) AND NOT pg_visible_in_snapshot(c.created_xid, bounds.a)",
+        )
+        .bind(id)
+        .bind(tenant)
+        .bind(dataset)
+        .bind(from)
+        .bind(end)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE feed_windows SET keys = (SELECT count(*) FROM feed_window_keys WHERE window_id = $1) WHERE id = $1",
+        )
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    existing(pool, tenant, dataset, from).await
+}
+
+async fn existing(pool: &PgPool, tenant: &str, dataset: &str, from: &str) -> sqlx::Result<Option<Window>> {
+    sqlx::query_as(SELECT_WINDOW).bind(tenant).bind(dataset).bind(from).fetch_optional(pool).await
+}

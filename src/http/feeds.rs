@@ -1,0 +1,142 @@
+//! Incremental feeds over HTTP: `GET /v1/datasets/{ds}/changes`, `GET /v1/datasets/{ds}/cursor`.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::{router::OpenApiRouter, routes};
+
+use super::error::{ApiError, ApiResult};
+use super::extract::{Path, Query};
+use super::records::exposed_dataset;
+use super::state::AppState;
+use crate::auth::Caller;
+use crate::feeds::{self, Change, Cursor, CursorError, Feed};
+use crate::tenants::DatasetSchema;
+
+pub const DEFAULT_LIMIT: usize = 1000;
+pub const MAX_LIMIT: usize = 10_000;
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(changes)).routes(routes!(current_cursor))
+}
+
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ChangesParams {
+    /// Where to continue: a `next_cursor`, a full export's manifest `next_cursor`, or one from
+    /// `GET /v1/datasets/{dataset}/cursor`.
+    cursor: Option<String>,
+    /// Changes per page, 1 to 10 000 (default 1000).
+    limit: Option<usize>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct ChangesPage {
+    #[schema(value_type = Vec<Object>)]
+    changes: Vec<Change>,
+    next_cursor: String,
+    /// Caught up with the newest sealed window: poll again after `retry_after_seconds`.
+    end_of_stream: bool,
+    retry_after_seconds: Option<u32>,
+}
+
+/// The next changes after a cursor: `{op: upsert|delete, key, data?}` per key, in window order
+/// and key order within a window.
+#[utoipa::path(get, path = "/v1/datasets/{dataset}/changes", tag = "feeds", security(("bearer" = [])),
+    params(("dataset" = String, Path), ChangesParams),
+    responses((status = 200, body = ChangesPage), (status = 400, description = "missing, malformed or tampered cursor"),
+        (status = 403, description = "dataset not granted"), (status = 404, description = "no such dataset"),
+        (status = 410, description = "cursor-expired: older than the tombstone window; run a full export")))]
+async fn changes(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(dataset): Path<String>,
+    Query(params): Query<ChangesParams>,
+) -> ApiResult<axum::Json<ChangesPage>> {
+    let schema = readable_dataset(&caller, &dataset)?;
+    let limit = params.limit.unwrap_or(DEFAULT_LIMIT);
+    if !(1..=MAX_LIMIT).contains(&limit) {
+        return Err(ApiError::invalid_field("limit", format!("must be between 1 and {MAX_LIMIT}")));
+    }
+    let text = params.cursor.ok_or_else(|| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-cursor",
+            "give a cursor (see GET /v1/datasets/{dataset}/cursor)",
+        )
+        .with("field", "cursor")
+    })?;
+    let cluster = feeds::system_identifier(&state.pool).await?;
+    let now = state.clock.now();
+    let oldest = now.unix_timestamp() - i64::from(caller.tenant.retention.tombstone_days) * 86_400;
+    let (tenant, principal) = (caller.tenant.id.as_str(), caller.principal.id.as_str());
+    let cursor = Cursor::decode(&state.links, &text, tenant, principal, schema.name.as_str(), &cluster, oldest)
+        .map_err(cursor_problem)?;
+    let row_filter = serde_json::to_value(&caller.principal.row_filter).expect("serializable");
+    let feed = Feed {
+        tenant,
+        dataset: schema.name.as_str(),
+        row_filter: &row_filter,
+        now,
+        safety_delay_seconds: caller.tenant.feeds.safety_delay_seconds,
+    };
+    let page = feeds::page(&state.pool, &feed, cursor, limit).await?;
+    let retry = page.end_of_stream.then(|| caller.tenant.feeds.safety_delay_seconds.clamp(1, 30));
+    Ok(axum::Json(ChangesPage {
+        changes: page.changes,
+        next_cursor: page.next.encode(&state.links),
+        end_of_stream: page.end_of_stream,
+        retry_after_seconds: retry,
+    }))
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct CursorView {
+    cursor: String,
+}
+
+/// A cursor at "now": the feed from it holds every change committed from this moment on.
+#[utoipa::path(get, path = "/v1/datasets/{dataset}/cursor", tag = "feeds", security(("bearer" = [])),
+    params(("dataset" = String, Path)),
+    responses((status = 200, body = CursorView), (status = 403, description = "dataset not granted"),
+        (status = 404, description = "no such dataset")))]
+async fn current_cursor(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(dataset): Path<String>,
+) -> ApiResult<axum::Json<CursorView>> {
+    let schema = readable_dataset(&caller, &dataset)?;
+    let cluster = feeds::system_identifier(&state.pool).await?;
+    let snapshot = crate::records::Snapshot::current(&state.pool).await?;
+    let cursor = Cursor::new(
+        caller.tenant.id.as_str(),
+        caller.principal.id.as_str(),
+        schema.name.as_str(),
+        &cluster,
+        snapshot.as_str(),
+        state.clock.now().unix_timestamp(),
+    );
+    Ok(axum::Json(CursorView { cursor: cursor.encode(&state.links) }))
+}
+
+fn readable_dataset(caller: &Caller, name: &str) -> ApiResult<std::sync::Arc<DatasetSchema>> {
+    let schema = exposed_dataset(caller, name)?;
+    if !caller.principal.is_granted(&schema.name) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "dataset-not-granted",
+            "the dataset is not granted to this principal",
+        ));
+    }
+    Ok(schema)
+}
+
+fn cursor_problem(e: CursorError) -> ApiError {
+    match e {
+        CursorError::Invalid => {
+            ApiError::new(StatusCode::BAD_REQUEST, "invalid-cursor", e.to_string()).with("field", "cursor")
+        }
+        CursorError::Expired => ApiError::new(StatusCode::GONE, "cursor-expired", e.to_string()),
+    }
+}

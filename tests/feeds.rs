@@ -1,0 +1,324 @@
+//! Incremental feeds: every committed change exactly once, whatever the commit order.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::{TestApp, problem};
+use exportd::jobs::Step;
+use serde_json::{Value, json};
+use sqlx::{Connection, PgConnection, PgPool};
+
+async fn upsert(conn: &mut PgConnection, key: &str, subject: &str, region: &str) {
+    sqlx::query("SELECT exportd_upsert('acme', 'tickets', $1, $2)")
+        .bind(key)
+        .bind(json!({"subject": subject, "status": "open", "region": region}))
+        .execute(conn)
+        .await
+        .unwrap();
+}
+
+async fn delete(conn: &mut PgConnection, key: &str) {
+    sqlx::query("SELECT exportd_delete('acme', 'tickets', $1)").bind(key).execute(conn).await.unwrap();
+}
+
+/// Seals a window: a tick, then the server clock past the safety delay.
+async fn seal(app: &TestApp) {
+    app.tick().await;
+    app.pass_safety_delay();
+}
+
+fn ops(changes: &[Value]) -> Vec<(String, String)> {
+    changes.iter().map(|c| (c["op"].as_str().unwrap().to_owned(), c["key"].as_str().unwrap().to_owned())).collect()
+}
+
+fn pairs(items: &[(&str, &str)]) -> Vec<(String, String)> {
+    items.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()
+}
+
+/// Applies changes in order, as a partner would.
+fn apply(state: &mut BTreeMap<String, Value>, changes: &[Value]) {
+    for change in changes {
+        let key = change["key"].as_str().unwrap().to_owned();
+        match change["op"].as_str().unwrap() {
+            "upsert" => {
+                state.insert(key, change["data"].clone());
+            }
+            _ => {
+                state.remove(&key);
+            }
+        }
+    }
+}
+
+async fn committed_state(pool: &PgPool) -> BTreeMap<String, Value> {
+    let rows: Vec<(String, Value)> = sqlx::query_as(
+        "SELECT key, data FROM record_versions WHERE tenant = 'acme' AND dataset = 'tickets' AND closed_xid IS NULL AND data IS NOT NULL",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    rows.into_iter().collect()
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_writer_that_commits_after_a_later_one_is_delivered_exactly_once(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let token = app.token("acme", "alice");
+    let start = app.cursor_now(&token, "tickets").await;
+
+    let mut a = app.pool.acquire().await.unwrap();
+    let mut tx_a = a.begin().await.unwrap();
+    upsert(&mut tx_a, "a", "from A", "emea").await;
+    upsert(&mut app.pool.acquire().await.unwrap(), "b", "from B", "emea").await;
+    seal(&app).await;
+    let (first, cursor) = app.pull_all(&token, "tickets", &start, 100).await;
+    assert_eq!(ops(&first), pairs(&[("upsert", "b")]), "A is still open: not in this window");
+
+    tx_a.commit().await.unwrap();
+    seal(&app).await;
+    let (second, cursor) = app.pull_all(&token, "tickets", &cursor, 100).await;
+    assert_eq!(ops(&second), pairs(&[("upsert", "a")]));
+    assert_eq!(second[0]["data"]["subject"], "from A");
+    seal(&app).await;
+    let (third, _) = app.pull_all(&token, "tickets", &cursor, 100).await;
+    assert!(third.is_empty(), "nothing twice");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn long_transactions_span_windows_and_aborted_ones_never_appear(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let token = app.token("acme", "alice");
+    let mut cursor = app.cursor_now(&token, "tickets").await;
+    let mut long = app.pool.acquire().await.unwrap();
+    let mut tx_long = long.begin().await.unwrap();
+    upsert(&mut tx_long, "long", "spans ticks", "emea").await;
+    let mut aborted = app.pool.acquire().await.unwrap();
+    let mut tx_aborted = aborted.begin().await.unwrap();
+    upsert(&mut tx_aborted, "ghost", "never", "emea").await;
+
+    let mut seen = Vec::new();
+    for round in 0..4 {
+        upsert(&mut app.pool.acquire().await.unwrap(), &format!("k{round}"), "quick", "emea").await;
+        seal(&app).await;
+        let (changes, next) = app.pull_all(&token, "tickets", &cursor, 100).await;
+        seen.extend(ops(&changes));
+        cursor = next;
+    }
+    tx_aborted.rollback().await.unwrap();
+    tx_long.commit().await.unwrap();
+    seal(&app).await;
+    let (changes, _) = app.pull_all(&token, "tickets", &cursor, 100).await;
+    seen.extend(ops(&changes));
+    assert_eq!(
+        seen,
+        pairs(&[("upsert", "k0"), ("upsert", "k1"), ("upsert", "k2"), ("upsert", "k3"), ("upsert", "long")])
+    );
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn many_concurrent_writers_add_up_to_the_final_state(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let token = app.token("acme", "alice");
+    let mut cursor = app.cursor_now(&token, "tickets").await;
+    let mut partner = BTreeMap::new();
+    let mut deliveries = 0usize;
+    let mut committed_writes = 0usize;
+    // A deterministic pseudo-random schedule (xorshift) of four writers over twelve keys.
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    for round in 0..25 {
+        // Three writers on distinct keys, open at once, ending in a random order (a fifth abort),
+        // with ticks falling between their commits.
+        let mut keys: Vec<String> = Vec::new();
+        while keys.len() < 3 {
+            let key = format!("k{:02}", next(12));
+            if !keys.contains(&key) {
+                keys.push(key);
+            }
+        }
+        let mut open = Vec::new();
+        for key in &keys {
+            let mut tx = app.pool.begin().await.unwrap();
+            if next(4) == 0 {
+                delete(&mut tx, key).await;
+            } else {
+                upsert(&mut tx, key, &format!("round {round}"), if next(2) == 0 { "emea" } else { "apac" }).await;
+            }
+            open.push(tx);
+        }
+        while !open.is_empty() {
+            let tx = open.remove(next(open.len() as u64) as usize);
+            if next(5) == 0 {
+                tx.rollback().await.unwrap();
+            } else {
+                tx.commit().await.unwrap();
+                committed_writes += 1;
+            }
+            if next(2) == 0 {
+                app.tick().await;
+            }
+        }
+        if next(3) == 0 {
+            continue; // sometimes read later, over several windows at once
+        }
+        seal(&app).await;
+        let (changes, next_cursor) = app.pull_all(&token, "tickets", &cursor, 2).await;
+        deliveries += changes.len();
+        apply(&mut partner, &changes);
+        cursor = next_cursor;
+    }
+    seal(&app).await;
+    let (changes, _) = app.pull_all(&token, "tickets", &cursor, 2).await;
+    deliveries += changes.len();
+    apply(&mut partner, &changes);
+    assert_eq!(partner, committed_state(&app.pool).await);
+    assert!(deliveries <= committed_writes, "{deliveries} deliveries for {committed_writes} committed writes");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_full_export_and_its_feed_together_are_every_change_exactly_once(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let token = app.token("acme", "alice");
+    app.seed("acme", "tickets", 50).await;
+    let mut writer = app.pool.acquire().await.unwrap();
+    let mut open = writer.begin().await.unwrap();
+    upsert(&mut open, "tickets-000000003", "changed while the export was created", "emea").await;
+    let id = app.export(&token, &json!({"dataset": "tickets", "format": "jsonl", "shard_rows": 20})).await;
+    open.commit().await.unwrap();
+    let mut conn = app.pool.acquire().await.unwrap();
+    delete(&mut conn, "tickets-000000004").await;
+    upsert(&mut conn, "new-after-export", "new", "emea").await;
+    assert_eq!(app.drain().await, vec![Step::Published]);
+
+    let manifest: Value = app.get(Some(&token), &format!("/v1/exports/{id}/manifest")).await.json().await.unwrap();
+    let mut state = BTreeMap::new();
+    for shard in app.shard_files(&id, app.data_dir.path()).await {
+        for line in String::from_utf8(common::gunzip(&shard)).unwrap().lines() {
+            let mut row: serde_json::Map<String, Value> = serde_json::from_str(line).unwrap();
+            let key = row.remove("id").unwrap().as_str().unwrap().to_owned();
+            row.retain(|_, v| !v.is_null());
+            state.insert(key, Value::Object(row));
+        }
+    }
+    seal(&app).await;
+    let (changes, _) = app.pull_all(&token, "tickets", manifest["next_cursor"].as_str().unwrap(), 7).await;
+    assert_eq!(
+        ops(&changes),
+        pairs(&[("upsert", "new-after-export"), ("upsert", "tickets-000000003"), ("delete", "tickets-000000004")])
+    );
+    apply(&mut state, &changes);
+    let mut expected = committed_state(&app.pool).await;
+    for value in expected.values_mut() {
+        value.as_object_mut().unwrap().retain(|_, v| !v.is_null());
+    }
+    for value in state.values_mut() {
+        value.as_object_mut().unwrap().retain(|_, v| !v.is_null());
+    }
+    assert_eq!(state, expected);
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn changes_newer_than_the_safety_delay_wait(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let token = app.token("acme", "alice");
+    let cursor = app.cursor_now(&token, "tickets").await;
+    upsert(&mut app.pool.acquire().await.unwrap(), "fresh", "fresh", "emea").await;
+    app.tick().await;
+    let page = app.pull(&token, "tickets", &cursor, 100).await;
+    assert_eq!(page["changes"], json!([]));
+    assert_eq!(page["end_of_stream"], true);
+    assert!(page["retry_after_seconds"].as_u64().unwrap() >= 1);
+    assert_eq!(page["next_cursor"], cursor.as_str(), "nothing consumed");
+    app.pass_safety_delay();
+    let page = app.pull(&token, "tickets", &cursor, 100).await;
+    assert_eq!(ops(page["changes"].as_array().unwrap()), pairs(&[("upsert", "fresh")]));
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn deletes_are_tombstones_and_row_filters_turn_into_enter_and_leave(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let admin = app.token("acme", "alice");
+    let partner = app.token("acme", "zenpartner"); // row filter: region = emea
+    let mut conn = app.pool.acquire().await.unwrap();
+    for key in ["gone", "updated-then-gone", "leaves", "enters"] {
+        upsert(&mut conn, key, "before", if key == "enters" { "apac" } else { "emea" }).await;
+    }
+    let (admin_start, partner_start) =
+        (app.cursor_now(&admin, "tickets").await, app.cursor_now(&partner, "tickets").await);
+    delete(&mut conn, "gone").await;
+    upsert(&mut conn, "updated-then-gone", "changed", "emea").await;
+    delete(&mut conn, "updated-then-gone").await;
+    upsert(&mut conn, "born-and-dead", "brief", "emea").await;
+    delete(&mut conn, "born-and-dead").await;
+    upsert(&mut conn, "leaves", "moved away", "apac").await;
+    upsert(&mut conn, "enters", "moved here", "emea").await;
+    upsert(&mut conn, "elsewhere", "never emea", "amer").await;
+    seal(&app).await;
+
+    let (changes, _) = app.pull_all(&admin, "tickets", &admin_start, 100).await;
+    assert_eq!(
+        ops(&changes),
+        pairs(&[
+            ("upsert", "elsewhere"),
+            ("upsert", "enters"),
+            ("delete", "gone"),
+            ("upsert", "leaves"),
+            ("delete", "updated-then-gone")
+        ])
+    );
+    assert!(changes[2].get("data").is_none(), "a tombstone carries no data");
+    let (changes, _) = app.pull_all(&partner, "tickets", &partner_start, 100).await;
+    assert_eq!(
+        ops(&changes),
+        pairs(&[("upsert", "enters"), ("delete", "gone"), ("delete", "leaves"), ("delete", "updated-then-gone")])
+    );
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn cursors_are_bound_tamper_evident_replayable_and_expire(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let admin = app.token("acme", "alice");
+    let start = app.cursor_now(&admin, "tickets").await;
+    let mut conn = app.pool.acquire().await.unwrap();
+    for n in 0..5 {
+        upsert(&mut conn, &format!("k{n}"), "x", "emea").await;
+    }
+    seal(&app).await;
+    let first = app.pull(&admin, "tickets", &start, 2).await;
+    let replay = app.pull(&admin, "tickets", &start, 2).await;
+    assert_eq!(first, replay, "the same cursor reads the same page");
+    assert_eq!(first["end_of_stream"], false);
+
+    let mut tampered = start.clone().into_bytes();
+    let at = tampered.len() - 3;
+    tampered[at] ^= 1;
+    let tampered = String::from_utf8(tampered).unwrap();
+    let partner_cursor = app.cursor_now(&app.token("acme", "zenpartner"), "tickets").await;
+    let globex = app.token("globex", "hank");
+    for (what, token, cursor) in [
+        ("tampered", admin.as_str(), tampered.as_str()),
+        ("garbage", admin.as_str(), "not-a-cursor"),
+        ("another principal's", admin.as_str(), partner_cursor.as_str()),
+        ("another tenant's", globex.as_str(), start.as_str()),
+    ] {
+        let response = app.get(Some(token), &format!("/v1/datasets/tickets/changes?cursor={cursor}")).await;
+        assert_eq!(response.status(), 400, "{what}");
+        let body = problem(response).await;
+        assert_eq!(body["code"], "invalid-cursor", "{what}");
+        assert_eq!(body["field"], "cursor");
+    }
+    assert_eq!(app.get(Some(&admin), "/v1/datasets/tickets/changes").await.status(), 400, "no cursor");
+    assert_eq!(app.get(Some(&admin), "/v1/datasets/contacts/changes?cursor=x").await.status(), 400);
+    assert_eq!(app.get(Some(&app.token("acme", "zenpartner")), "/v1/datasets/contacts/cursor").await.status(), 403);
+
+    app.clock.advance(std::time::Duration::from_secs(31 * 86_400)); // acme keeps tombstones 30 days
+    let expired = app.get(Some(&admin), &format!("/v1/datasets/tickets/changes?cursor={start}")).await;
+    assert_eq!(expired.status(), 410);
+    assert_eq!(problem(expired).await["code"], "cursor-expired");
+}
