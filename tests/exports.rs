@@ -487,7 +487,14 @@ async fn invalid_requests_name_the_field(pool: PgPool) {
             "invalid-request",
             Some("shard_rows"),
         ),
-        (json!({"dataset": "tickets", "format": "csv", "mode": "incremental"}), 501, "not-implemented", Some("mode")),
+        (json!({"dataset": "tickets", "format": "csv", "mode": "incremental"}), 400, "invalid-cursor", Some("since")),
+        (
+            json!({"dataset": "tickets", "format": "csv", "mode": "incremental", "since": "x"}),
+            400,
+            "invalid-cursor",
+            Some("since"),
+        ),
+        (json!({"dataset": "tickets", "format": "csv", "since": "x"}), 400, "invalid-request", Some("since")),
         (json!({"dataset": "orders", "format": "csv"}), 404, "dataset-not-found", None),
     ];
     for (body, status, code, field) in cases {

@@ -322,3 +322,97 @@ async fn cursors_are_bound_tamper_evident_replayable_and_expire(pool: PgPool) {
     assert_eq!(expired.status(), 410);
     assert_eq!(problem(expired).await["code"], "cursor-expired");
 }
+
+/// The data rows of an incremental JSONL export: (op, key, subject).
+async fn incremental_rows(app: &TestApp, id: &str) -> Vec<(String, String, Value)> {
+    let mut rows = Vec::new();
+    for shard in app.shard_files(id, app.data_dir.path()).await {
+        for line in String::from_utf8(common::gunzip(&shard)).unwrap().lines() {
+            let row: Value = serde_json::from_str(line).unwrap();
+            rows.push((
+                row["_op"].as_str().unwrap().to_owned(),
+                row["id"].as_str().unwrap().to_owned(),
+                row["subject"].clone(),
+            ));
+        }
+    }
+    rows
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn consecutive_incremental_exports_leave_no_gap_and_no_overlap(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let token = app.token("acme", "alice");
+    let body = |since: Option<&str>| {
+        let mut body = json!({"dataset": "tickets", "format": "jsonl", "mode": "incremental", "shard_rows": 2});
+        if let Some(since) = since {
+            body["since"] = json!(since);
+        }
+        body
+    };
+    let start = app.cursor_now(&token, "tickets").await;
+    let mut conn = app.pool.acquire().await.unwrap();
+    for key in ["a", "b", "c"] {
+        upsert(&mut conn, key, "first", "emea").await;
+    }
+    seal(&app).await;
+    let first = app.export(&token, &body(Some(&start))).await;
+    // Changes after the first export was created belong to the second.
+    upsert(&mut conn, "a", "second", "emea").await;
+    delete(&mut conn, "b").await;
+    upsert(&mut conn, "d", "second", "emea").await;
+    assert_eq!(app.drain().await, vec![Step::Published]);
+    let rows = incremental_rows(&app, &first).await;
+    assert_eq!(
+        rows,
+        vec![
+            ("upsert".into(), "a".into(), json!("first")),
+            ("upsert".into(), "b".into(), json!("first")),
+            ("upsert".into(), "c".into(), json!("first")),
+        ]
+    );
+    let manifest: Value = app.get(Some(&token), &format!("/v1/exports/{first}/manifest")).await.json().await.unwrap();
+    assert_eq!(manifest["from_cursor"], start.as_str());
+    assert_eq!(manifest["columns"][1]["name"], "_op");
+
+    seal(&app).await;
+    let second = app.export(&token, &body(None)).await; // from the stored cursor
+    assert_eq!(app.drain().await, vec![Step::Published]);
+    let rows = incremental_rows(&app, &second).await;
+    assert_eq!(
+        rows,
+        vec![
+            ("upsert".into(), "a".into(), json!("second")),
+            ("delete".into(), "b".into(), Value::Null),
+            ("upsert".into(), "d".into(), json!("second")),
+        ]
+    );
+    let second_manifest: Value =
+        app.get(Some(&token), &format!("/v1/exports/{second}/manifest")).await.json().await.unwrap();
+    assert_eq!(second_manifest["from_cursor"], manifest["next_cursor"]);
+
+    // Nothing new: an empty export whose next cursor continues from the same place.
+    let third = app.export(&token, &body(None)).await;
+    assert_eq!(app.drain().await, vec![Step::Published]);
+    assert!(incremental_rows(&app, &third).await.is_empty());
+    // The feed from the last cursor agrees: nothing pending.
+    let third_manifest: Value =
+        app.get(Some(&token), &format!("/v1/exports/{third}/manifest")).await.json().await.unwrap();
+    let (pending, _) = app.pull_all(&token, "tickets", third_manifest["next_cursor"].as_str().unwrap(), 10).await;
+    assert!(pending.is_empty());
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn one_incremental_export_at_a_time_per_principal_and_dataset(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let token = app.token("acme", "alice");
+    let start = app.cursor_now(&token, "tickets").await;
+    let body = json!({"dataset": "tickets", "format": "csv", "mode": "incremental", "since": start});
+    app.export(&token, &body).await;
+    let again = app.create_export(&token, Some("another-key"), &body).await;
+    assert_eq!(again.status(), 409);
+    assert_eq!(problem(again).await["code"], "incremental-in-progress");
+    let foreign = json!({"dataset": "tickets", "format": "csv", "mode": "incremental", "since": start});
+    let response = app.create_export(&app.token("acme", "zenpartner"), Some("k"), &foreign).await;
+    assert_eq!(response.status(), 400, "another principal's cursor");
+}

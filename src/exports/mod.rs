@@ -3,6 +3,7 @@
 
 pub mod audit;
 pub mod download;
+mod incremental;
 mod layout;
 mod manifest;
 mod request;
@@ -14,9 +15,10 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+pub use incremental::{FeedContext, store_cursor};
 pub use layout::{Layout, Segment, ShardRecord, shards};
 pub use manifest::{MANIFEST_VERSION, Manifest, ManifestFile, ManifestShard, shard_name};
-pub use request::{DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode};
+pub use request::{DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode, OP_COLUMN};
 pub use state::ExportState;
 
 use crate::auth::Caller;
@@ -32,6 +34,12 @@ pub enum ExportError {
     DatasetNotFound,
     #[error("the dataset is not granted to this principal")]
     DatasetNotGranted,
+    #[error("{detail}")]
+    InvalidCursor { field: &'static str, detail: String },
+    #[error("{0}")]
+    CursorExpired(String),
+    #[error("an incremental export of this dataset is already queued or running for this principal")]
+    IncrementalInProgress,
     #[error("this Idempotency-Key was already used with a different request")]
     IdempotencyKeyReused,
     #[error("no such export")]
@@ -94,13 +102,17 @@ pub struct ExportJob {
     pub file_bytes: Option<i64>,
     pub file_sha256: Option<String>,
     pub expires_at: Option<OffsetDateTime>,
+    pub from_cursor: Option<String>,
+    pub start_from: Option<String>,
+    pub start_after: Option<String>,
+    pub until_tick: Option<i64>,
 }
 
 /// The SELECT list matching [`ExportJob`].
 pub(crate) const JOB_COLUMNS: &str = "id, tenant, principal, dataset, mode, format, request, request_sha256, state, \
      watermark::text AS watermark, columns, filter, row_filter, shard_rows, created_at, started_at, finished_at, \
      lease_generation, attempts, shards_done, rows_done, bytes_done, error_code, error_detail, manifest_sha256, \
-     file_bytes, file_sha256, expires_at";
+     file_bytes, file_sha256, expires_at, from_cursor, start_from, start_after, until_tick";
 
 /// The outcome of a create: the job, and whether it already existed for this key.
 #[derive(Debug)]
@@ -119,6 +131,7 @@ pub async fn create(
     caller: &Caller,
     key: &IdempotencyKey,
     request: &ExportRequest,
+    feed: &FeedContext<'_>,
 ) -> Result<Created, ExportError> {
     let (canonical, canonical_text) = request.canonical();
     let request_sha256 = sha256_hex(canonical_text.as_bytes());
@@ -126,10 +139,15 @@ pub async fn create(
         return replay(existing, &request_sha256);
     }
     let spec = ExportSpec::validate(request, caller)?;
+    let start = match spec.mode {
+        Mode::Full => None,
+        Mode::Incremental => Some(incremental::start(pool, caller, &spec, request.since.as_deref(), feed).await?),
+    };
     let inserted: Option<ExportJob> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "INSERT INTO export_jobs (id, tenant, principal, dataset, mode, format, request, request_sha256,
-             idempotency_key, columns, filter, row_filter, shard_rows, watermark)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, pg_current_snapshot())
+             idempotency_key, columns, filter, row_filter, shard_rows, watermark,
+             from_cursor, start_from, start_after, until_tick)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, pg_current_snapshot(), $14, $15, $16, $17)
          ON CONFLICT ON CONSTRAINT export_jobs_idempotency_key DO NOTHING
          RETURNING {JOB_COLUMNS}"
     )))
@@ -146,8 +164,16 @@ pub async fn create(
     .bind(Value::Object(spec.filter))
     .bind(Value::Object(spec.row_filter))
     .bind(spec.shard_rows as i32)
+    .bind(start.as_ref().map(|s| s.cursor.as_str()))
+    .bind(start.as_ref().map(|s| s.from.as_str()))
+    .bind(start.as_ref().and_then(|s| s.after.as_deref()))
+    .bind(start.as_ref().map(|s| s.until_tick))
     .fetch_optional(pool)
-    .await?;
+    .await
+    .map_err(|e| match e.as_database_error().and_then(|d| d.constraint()) {
+        Some("export_jobs_one_incremental") => ExportError::IncrementalInProgress,
+        _ => ExportError::Database(e),
+    })?;
     match inserted {
         Some(job) => Ok(Created { job, replayed: false }),
         None => {

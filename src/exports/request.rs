@@ -10,6 +10,8 @@ use crate::writers::{Format, OutputColumn};
 use super::ExportError;
 
 pub const DEFAULT_SHARD_ROWS: u32 = 100_000;
+/// The column of incremental exports saying `upsert` or `delete`.
+pub const OP_COLUMN: &str = "_op";
 pub const MAX_SHARD_ROWS: u32 = 1_000_000;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -83,24 +85,29 @@ impl ExportSpec {
         if !caller.principal.is_granted(&schema.name) {
             return Err(ExportError::DatasetNotGranted);
         }
-        if request.mode == Mode::Incremental {
-            return Err(ExportError::NotImplemented {
-                field: "mode",
-                detail: "incremental exports are not available yet; use mode \"full\"",
-            });
-        }
-        if request.since.is_some() {
+        if request.mode == Mode::Full && request.since.is_some() {
             return Err(invalid("since", "`since` applies to incremental exports only"));
+        }
+        if request.mode == Mode::Incremental && request.filter.is_some() {
+            return Err(invalid(
+                "filter",
+                "incremental exports follow the feed: no filter (partners keep their row filter)",
+            ));
         }
         let shard_rows = request.shard_rows.unwrap_or(DEFAULT_SHARD_ROWS);
         if !(1..=MAX_SHARD_ROWS).contains(&shard_rows) {
             return Err(invalid("shard_rows", format!("must be between 1 and {MAX_SHARD_ROWS}")));
         }
+        let mut columns = output_columns(schema, request.columns.as_deref())?;
+        if request.mode == Mode::Incremental {
+            // `_op` cannot clash with a dataset column: column names start with a letter.
+            columns.insert(1, OutputColumn { name: OP_COLUMN.to_owned(), ty: ColumnType::String });
+        }
         Ok(ExportSpec {
             dataset: schema.name.clone(),
             format: request.format,
             mode: request.mode,
-            columns: output_columns(schema, request.columns.as_deref())?,
+            columns,
             filter: check_filter(schema, request.filter.clone().unwrap_or_default())?,
             row_filter: row_filter_json(&caller.principal.row_filter),
             shard_rows,

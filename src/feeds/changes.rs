@@ -8,7 +8,7 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 
 use super::cursor::Cursor;
-use super::window::{Window, next_window};
+use super::window::{Seal, Window, next_window};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -41,8 +41,8 @@ pub struct Feed<'a> {
     /// The partner's row filter (`{}` for none): a record that stops matching is a delete, one
     /// that starts matching an upsert.
     pub row_filter: &'a Value,
-    pub now: OffsetDateTime,
-    pub safety_delay_seconds: u32,
+    /// Which ticks new windows may end at.
+    pub seal: Seal,
 }
 
 /// Up to `limit` keys' changes after `position`, crossing window boundaries as needed. Windows
@@ -52,8 +52,7 @@ pub async fn page(pool: &PgPool, feed: &Feed<'_>, mut position: Cursor, limit: u
     let mut changes = Vec::new();
     let mut examined = 0;
     loop {
-        let window =
-            next_window(pool, feed.tenant, feed.dataset, &position.from, feed.now, feed.safety_delay_seconds).await?;
+        let window = next_window(pool, feed.tenant, feed.dataset, &position.from, feed.seal).await?;
         let Some(window) = window else {
             return Ok(ChangePage { changes, next: position, end_of_stream: true });
         };
@@ -76,6 +75,90 @@ pub async fn page(pool: &PgPool, feed: &Feed<'_>, mut position: Cursor, limit: u
         position.after = None;
         position.ts = window.to_created_at.unix_timestamp();
     }
+}
+
+/// A position inside a chain of windows: the window and the last key read in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChainPosition {
+    pub window_id: i64,
+    pub after: String,
+}
+
+/// The changes after `position` (or from the chain's start at `from`), for incremental exports:
+/// up to `limit` keys, stopping after the window that reaches tick `until`. Each change comes
+/// with the position to resume after it. Returns whether the chain is exhausted.
+pub async fn chain_page(
+    pool: &PgPool,
+    feed: &Feed<'_>,
+    from: &str,
+    until: i64,
+    position: Option<&ChainPosition>,
+    limit: usize,
+) -> sqlx::Result<(Vec<(ChainPosition, Change)>, Option<ChainPosition>, bool)> {
+    let mut out = Vec::new();
+    let (mut window, mut after) = match position {
+        Some(p) => (window_by_id(pool, p.window_id).await?, p.after.clone()),
+        None => (next_window(pool, feed.tenant, feed.dataset, from, feed.seal).await?, String::new()),
+    };
+    let mut examined = 0;
+    let mut last = position.cloned();
+    loop {
+        let Some(w) = window else { return Ok((out, last, true)) };
+        let want = limit - examined;
+        let keys: Vec<String> = sqlx::query_scalar(
+            "SELECT key FROM feed_window_keys WHERE window_id = $1 AND key > $2 ORDER BY key LIMIT $3",
+        )
+        .bind(w.id)
+        .bind(&after)
+        .bind(want as i64)
+        .fetch_all(pool)
+        .await?;
+        examined += keys.len();
+        if let Some(key) = keys.last() {
+            last = Some(ChainPosition { window_id: w.id, after: key.clone() });
+        }
+        for change in window_changes(pool, feed, &w, &keys).await? {
+            out.push((ChainPosition { window_id: w.id, after: change.key.clone() }, change));
+        }
+        if keys.len() == want {
+            return Ok((out, last, false));
+        }
+        if w.to_tick >= until {
+            return Ok((out, last, true));
+        }
+        window = next_window(pool, feed.tenant, feed.dataset, &w.to_snapshot, feed.seal).await?;
+        after = String::new();
+    }
+}
+
+/// Where a chain from `from` ends once it reaches tick `until`: the snapshot (and its time) the
+/// next read continues from. `None` when no window was cut from `from`.
+pub async fn chain_end(
+    pool: &PgPool,
+    feed: &Feed<'_>,
+    from: &str,
+    until: i64,
+) -> sqlx::Result<Option<(String, OffsetDateTime)>> {
+    let mut end = None;
+    let mut at = from.to_owned();
+    while let Some(w) = next_window(pool, feed.tenant, feed.dataset, &at, feed.seal).await? {
+        end = Some((w.to_snapshot.clone(), w.to_created_at));
+        if w.to_tick >= until {
+            break;
+        }
+        at = w.to_snapshot;
+    }
+    Ok(end)
+}
+
+async fn window_by_id(pool: &PgPool, id: i64) -> sqlx::Result<Option<Window>> {
+    sqlx::query_as(
+        "SELECT w.id, w.from_snapshot, t.snapshot::text AS to_snapshot, w.to_tick, t.created_at AS to_created_at, w.keys
+         FROM feed_windows w JOIN feed_ticks t ON t.id = w.to_tick WHERE w.id = $1",
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await
 }
 
 /// The changes of `keys` (sorted) in `window`: upsert when the record exists and matches at the

@@ -11,7 +11,7 @@ mod cursor;
 mod ticker;
 mod window;
 
-pub use changes::{Change, ChangePage, Feed, Op, page};
+pub use changes::{ChainPosition, Change, ChangePage, Feed, Op, chain_end, chain_page, page};
 pub use cursor::{Cursor, CursorError, system_identifier};
 pub use ticker::{run_ticker, tick};
-pub use window::{Window, next_window};
+pub use window::{Seal, Window, newest_sealed_tick, next_window};

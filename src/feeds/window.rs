@@ -10,39 +10,67 @@ pub struct Window {
     pub from_snapshot: String,
     /// The end tick's snapshot; the next window starts here.
     pub to_snapshot: String,
+    pub to_tick: i64,
     pub to_created_at: OffsetDateTime,
     pub keys: i64,
 }
 
-const SELECT_WINDOW: &str =
-    "SELECT w.id, w.from_snapshot, t.snapshot::text AS to_snapshot, t.created_at AS to_created_at, w.keys
+const SELECT_WINDOW: &str = "SELECT w.id, w.from_snapshot, t.snapshot::text AS to_snapshot, w.to_tick,
+         t.created_at AS to_created_at, w.keys
      FROM feed_windows w JOIN feed_ticks t ON t.id = w.to_tick
      WHERE w.tenant = $1 AND w.dataset = $2 AND w.from_snapshot = $3";
 
+/// Which ticks a new window may end at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Seal {
+    /// Ticks at least the safety delay old at `now` (feed reads).
+    Delayed { now: OffsetDateTime, safety_delay_seconds: u32 },
+    /// Ticks up to this one, sealed when an incremental export was created (its runs).
+    UpTo(i64),
+}
+
+/// The newest tick sealed by `now - safety_delay` (the end of a window cut now), if any.
+pub async fn newest_sealed_tick(
+    pool: &PgPool,
+    now: OffsetDateTime,
+    safety_delay_seconds: u32,
+) -> sqlx::Result<Option<i64>> {
+    let sealed_before = now - time::Duration::seconds(i64::from(safety_delay_seconds));
+    sqlx::query_scalar("SELECT max(id) FROM feed_ticks WHERE created_at <= $1")
+        .bind(sealed_before)
+        .fetch_one(pool)
+        .await
+}
+
 /// The window starting at `from`: the one already cut, or a new one ending at the newest tick
-/// sealed by `now - safety_delay` that sees everything `from` sees. `None` when no such tick is
+/// sealed under `seal` that sees everything `from` sees. `None` when no such tick is
 /// newer than `from` yet (the reader is caught up).
 pub async fn next_window(
     pool: &PgPool,
     tenant: &str,
     dataset: &str,
     from: &str,
-    now: OffsetDateTime,
-    safety_delay_seconds: u32,
+    seal: Seal,
 ) -> sqlx::Result<Option<Window>> {
     if let Some(window) = existing(pool, tenant, dataset, from).await? {
         return Ok(Some(window));
     }
-    let sealed_before = now - time::Duration::seconds(i64::from(safety_delay_seconds));
+    let (sealed_before, up_to) = match seal {
+        Seal::Delayed { now, safety_delay_seconds } => {
+            (Some(now - time::Duration::seconds(i64::from(safety_delay_seconds))), None)
+        }
+        Seal::UpTo(tick) => (None, Some(tick)),
+    };
     let mut tx = pool.begin().await?;
     let end: Option<i64> = sqlx::query_scalar(
         "SELECT id FROM feed_ticks
-         WHERE created_at <= $2 AND snapshot::text <> $1
-           AND exportd_snapshot_dominates(snapshot, $1::pg_snapshot)
+         WHERE ($2::timestamptz IS NULL OR created_at <= $2) AND ($3::bigint IS NULL OR id <= $3)
+           AND snapshot::text <> $1 AND exportd_snapshot_dominates(snapshot, $1::pg_snapshot)
          ORDER BY id DESC LIMIT 1",
     )
     .bind(from)
     .bind(sealed_before)
+    .bind(up_to)
     .fetch_optional(&mut *tx)
     .await?;
     let Some(end) = end else { return Ok(None) };

@@ -16,7 +16,9 @@ use super::state::AppState;
 use crate::auth::Caller;
 use crate::exports::audit::{self, AuditEvent};
 use crate::exports::download::Object;
-use crate::exports::{self, Cancel, ExportError, ExportJob, ExportRequest, ExportState, IdempotencyKey, Revoke};
+use crate::exports::{
+    self, Cancel, ExportError, ExportJob, ExportRequest, ExportState, FeedContext, IdempotencyKey, Revoke,
+};
 
 const DEFAULT_PAGE: u32 = 50;
 const MAX_PAGE: u32 = 200;
@@ -158,7 +160,9 @@ async fn create_export(
     JsonBody(request): JsonBody<ExportRequest>,
 ) -> ApiResult<Response> {
     let key = idempotency_key(&headers)?;
-    let created = exports::create(&state.pool, &caller, &key, &request).await?;
+    let cluster = crate::feeds::system_identifier(&state.pool).await?;
+    let feed = FeedContext { keys: &state.links, cluster: &cluster, now: state.clock.now() };
+    let created = exports::create(&state.pool, &caller, &key, &request, &feed).await?;
     let job = created.job;
     if !created.replayed {
         audit::record(&state.pool, event(&caller, "created", job.id)).await;
@@ -362,6 +366,13 @@ impl From<ExportError> for ApiError {
             }
             ExportError::NotPublished(state) => {
                 ApiError::new(StatusCode::CONFLICT, "not-ready", detail).with("state", state.as_str())
+            }
+            ExportError::InvalidCursor { field, .. } => {
+                ApiError::new(StatusCode::BAD_REQUEST, "invalid-cursor", detail).with("field", field)
+            }
+            ExportError::CursorExpired(_) => ApiError::new(StatusCode::GONE, "cursor-expired", detail),
+            ExportError::IncrementalInProgress => {
+                ApiError::new(StatusCode::CONFLICT, "incremental-in-progress", detail)
             }
             ExportError::NotRevocable(state) => {
                 ApiError::new(StatusCode::CONFLICT, "not-revocable", detail).with("state", state.as_str())

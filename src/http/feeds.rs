@@ -11,7 +11,7 @@ use super::extract::{Path, Query};
 use super::records::exposed_dataset;
 use super::state::AppState;
 use crate::auth::Caller;
-use crate::feeds::{self, Change, Cursor, CursorError, Feed};
+use crate::feeds::{self, Change, Cursor, CursorError, Feed, Seal};
 use crate::tenants::DatasetSchema;
 
 pub const DEFAULT_LIMIT: usize = 1000;
@@ -78,8 +78,7 @@ async fn changes(
         tenant,
         dataset: schema.name.as_str(),
         row_filter: &row_filter,
-        now,
-        safety_delay_seconds: caller.tenant.feeds.safety_delay_seconds,
+        seal: Seal::Delayed { now, safety_delay_seconds: caller.tenant.feeds.safety_delay_seconds },
     };
     let page = feeds::page(&state.pool, &feed, cursor, limit).await?;
     let retry = page.end_of_stream.then(|| caller.tenant.feeds.safety_delay_seconds.clamp(1, 30));

@@ -113,17 +113,21 @@ pub struct Publication<'a> {
     pub file_sha256: &'a str,
     /// The export expires this many hours after publishing.
     pub artifact_hours: u32,
+    /// Incremental exports: the cursor to store for the principal and dataset.
+    pub stored_cursor: Option<&'a str>,
 }
 
 /// RUNNING → SUCCEEDED with the manifest, only under this lease. `Err(LeaseLost)` also when a
 /// cancel request won the race: the caller then looks at the state.
 pub async fn publish(pool: &PgPool, lease: Lease, p: &Publication<'_>) -> sqlx::Result<Result<(), LeaseLost>> {
-    let done = sqlx::query(
+    let mut tx = pool.begin().await?;
+    let published: Option<(String, String, String)> = sqlx::query_as(
         "UPDATE export_jobs SET state = 'SUCCEEDED', manifest = $3, manifest_sha256 = $4,
              shards_done = $5, rows_done = $6, bytes_done = $7, file_bytes = $8, file_sha256 = $9,
              published_at = now(), expires_at = now() + $10 * interval '1 hour',
              finished_at = now(), lease_owner = NULL, lease_expires_at = NULL
-         WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING'",
+         WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING'
+         RETURNING tenant, principal, dataset",
     )
     .bind(lease.job_id)
     .bind(lease.generation)
@@ -135,9 +139,16 @@ pub async fn publish(pool: &PgPool, lease: Lease, p: &Publication<'_>) -> sqlx::
     .bind(p.file_bytes)
     .bind(p.file_sha256)
     .bind(f64::from(p.artifact_hours))
-    .execute(pool)
+    .fetch_optional(&mut *tx)
     .await?;
-    Ok(if done.rows_affected() == 1 { Ok(()) } else { Err(LeaseLost) })
+    let Some((tenant, principal, dataset)) = published else {
+        return Ok(Err(LeaseLost));
+    };
+    if let Some(cursor) = p.stored_cursor {
+        crate::exports::store_cursor(&mut tx, &tenant, &principal, &dataset, cursor).await?;
+    }
+    tx.commit().await?;
+    Ok(Ok(()))
 }
 
 /// Ends the job in `to` (CANCELLED from CANCEL_REQUESTED, FAILED from RUNNING) and forgets its

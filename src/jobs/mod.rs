@@ -5,6 +5,7 @@
 mod fenced;
 mod runner;
 mod shard;
+mod source;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -10,10 +10,11 @@ use serde_json::Value;
 use super::WorkerDeps;
 use super::fenced::{self, Lease, LeaseLost, Publication};
 use super::shard::{self, ShardJob, ShardStop};
+use super::source::Source;
 use crate::exports::{
     self, ExportJob, ExportState, Layout, Manifest, ManifestFile, ManifestShard, ShardRecord, shard_name,
 };
-use crate::feeds::Cursor;
+use crate::feeds::{self, Cursor, Feed, Seal};
 use crate::records::{AsOf, Snapshot};
 use crate::storage::ObjectKey;
 use crate::tenants::{DatasetName, TenantId};
@@ -70,6 +71,14 @@ struct Plan {
     row_filter: Value,
     watermark: Snapshot,
     shard_rows: u64,
+    /// Incremental exports: where the window chain starts and the tick it runs to.
+    chain: Option<Chain>,
+}
+
+struct Chain {
+    from: String,
+    start_after: Option<String>,
+    until_tick: i64,
 }
 
 impl Plan {
@@ -88,16 +97,57 @@ impl Plan {
             row_filter: job.row_filter.clone(),
             watermark: Snapshot::parse(&job.watermark).map_err(anyhow::Error::msg)?,
             shard_rows: u64::try_from(job.shard_rows).context("shard_rows")?,
+            chain: job.start_from.clone().map(|from| Chain {
+                from,
+                start_after: job.start_after.clone(),
+                until_tick: job.until_tick.unwrap_or(0),
+            }),
         })
     }
 
-    fn query(&self) -> AsOf<'_> {
-        AsOf {
-            tenant: &self.tenant,
-            dataset: &self.dataset,
-            snapshot: &self.watermark,
-            filters: [&self.filter, &self.row_filter],
+    fn source(&self) -> Source<'_> {
+        match &self.chain {
+            None => Source::Snapshot(AsOf {
+                tenant: &self.tenant,
+                dataset: &self.dataset,
+                snapshot: &self.watermark,
+                filters: [&self.filter, &self.row_filter],
+            }),
+            Some(chain) => Source::Changes {
+                feed: self.feed(chain.until_tick),
+                from: &chain.from,
+                start_after: chain.start_after.as_deref(),
+                until_tick: chain.until_tick,
+            },
         }
+    }
+
+    fn feed(&self, until_tick: i64) -> Feed<'_> {
+        Feed {
+            tenant: self.tenant.as_str(),
+            dataset: self.dataset.as_str(),
+            row_filter: &self.row_filter,
+            seal: Seal::UpTo(until_tick),
+        }
+    }
+
+    /// The cursor the manifest hands out to continue after this export.
+    async fn next_cursor(&self, deps: &WorkerDeps, job: &ExportJob) -> anyhow::Result<String> {
+        let cluster = crate::feeds::system_identifier(&deps.pool).await?;
+        let cursor = |from: &str, after: Option<String>, ts: i64| {
+            let cursor = Cursor::new(&job.tenant, &job.principal, &job.dataset, &cluster, from, ts);
+            Cursor { after, ..cursor }.encode(&deps.keys)
+        };
+        Ok(match &self.chain {
+            None => cursor(self.watermark.as_str(), None, job.created_at.unix_timestamp()),
+            Some(chain) => {
+                match feeds::chain_end(&deps.pool, &self.feed(chain.until_tick), &chain.from, chain.until_tick).await? {
+                    Some((end, at)) => cursor(&end, None, at.unix_timestamp()),
+                    // No window was sealed: continue where this export started.
+                    None => job.from_cursor.clone().unwrap_or_default(),
+                }
+            }
+        })
     }
 }
 
@@ -252,7 +302,7 @@ impl ClaimedExport {
     fn shard_job(&self, index: u32, after: Option<String>, rows_allowed: u64) -> ShardJob<'_> {
         ShardJob {
             store: &self.deps.store,
-            query: self.plan.query(),
+            source: self.plan.source(),
             format: self.plan.format,
             columns: &self.plan.columns,
             after,
@@ -367,16 +417,7 @@ impl ClaimedExport {
         let store = self.deps.store.clone();
         let file_layout = layout.clone();
         let file_sha256 = tokio::task::spawn_blocking(move || file_layout.sha256(&store)).await??;
-        let cluster = crate::feeds::system_identifier(&self.deps.pool).await?;
-        let next_cursor = Cursor::new(
-            &self.job.tenant,
-            &self.job.principal,
-            &self.job.dataset,
-            &cluster,
-            self.plan.watermark.as_str(),
-            self.job.created_at.unix_timestamp(),
-        )
-        .encode(&self.deps.keys);
+        let next_cursor = self.plan.next_cursor(&self.deps, &self.job).await?;
         let manifest = self.manifest(
             next_cursor,
             ManifestFile {
@@ -396,6 +437,8 @@ impl ClaimedExport {
             file_bytes: manifest.file.bytes as i64,
             file_sha256: &manifest.file.sha256,
             artifact_hours,
+            // An incremental export advances the principal's stored cursor as it succeeds.
+            stored_cursor: self.plan.chain.as_ref().and(manifest.next_cursor.as_deref()),
         };
         match fenced::publish(&self.deps.pool, self.lease, &publication).await? {
             Ok(()) => {
@@ -432,7 +475,7 @@ impl ClaimedExport {
             row_filter: self.plan.row_filter.clone(),
             snapshot_watermark: self.plan.watermark.to_string(),
             created_at: self.job.created_at.format(&time::format_description::well_known::Rfc3339).expect("formats"),
-            from_cursor: None,
+            from_cursor: self.job.from_cursor.clone(),
             next_cursor: Some(next_cursor),
             total_rows: shards.iter().map(|s| s.rows).sum(),
             total_bytes: shards.iter().map(|s| s.bytes).sum(),

@@ -8,7 +8,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use tokio::sync::mpsc;
 
-use crate::records::{AsOf, Record};
+use super::source::Source;
+use crate::records::Record;
 use crate::storage::{ArtifactStore, ObjectKey};
 use crate::writers::{Format, OutputColumn, ShardDigest, ShardWriter};
 
@@ -38,7 +39,7 @@ pub enum ShardStop {
 
 pub struct ShardJob<'a> {
     pub store: &'a ArtifactStore,
-    pub query: AsOf<'a>,
+    pub source: Source<'a>,
     pub format: Format,
     pub columns: &'a [OutputColumn],
     pub after: Option<String>,
@@ -61,37 +62,33 @@ where
     Fut: std::future::Future<Output = anyhow::Result<bool>>,
 {
     let mut limit = job.page_rows.min(job.shard_rows) as i64;
-    let mut page = job.query.page(pool, job.after.as_deref(), limit).await.context("reading records")?;
-    if page.is_empty() && !job.is_first {
+    let mut page = job.source.page(pool, job.after.as_deref(), limit).await.context("reading records")?;
+    if page.rows.is_empty() && page.exhausted && !job.is_first {
         return Ok(Err(ShardStop::NoRows));
     }
 
     let (pages, encoder) = spawn_encoder(job.store.clone(), job.format, job.columns.to_vec())?;
     let mut rows = 0u64;
     let mut first_key = None;
-    let mut last_key: Option<String> = None;
+    let mut last_key: Option<String> = job.after.clone();
     let stop = loop {
-        if page.is_empty() {
-            break None;
-        }
-        let exhausted = (page.len() as i64) < limit;
-        rows += page.len() as u64;
+        rows += page.rows.len() as u64;
         if rows > job.rows_allowed {
             break Some(ShardStop::TooManyRows);
         }
-        first_key = first_key.or_else(|| page.first().map(|r| r.key.clone()));
-        last_key = page.last().map(|r| r.key.clone());
-        if pages.send(page).await.is_err() {
+        first_key = first_key.or(page.first);
+        last_key = page.last.or(last_key);
+        if !page.rows.is_empty() && pages.send(page.rows).await.is_err() {
             break None; // the encoder failed; its error is reported below
         }
-        if rows >= job.shard_rows || exhausted {
-            break None;
+        if rows >= job.shard_rows || page.exhausted {
+            break (rows == 0 && !job.is_first).then_some(ShardStop::NoRows);
         }
         if !keep_going().await? {
             break Some(ShardStop::Interrupted);
         }
         limit = job.page_rows.min(job.shard_rows - rows) as i64;
-        page = job.query.page(pool, last_key.as_deref(), limit).await.context("reading records")?;
+        page = job.source.page(pool, last_key.as_deref(), limit).await.context("reading records")?;
     };
     drop(pages);
     let (temp, file, digest) = encoder.await.context("shard encoder panicked")?.context("encoding shard")?;
