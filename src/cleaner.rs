@@ -12,18 +12,22 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::storage::{ArtifactStore, ObjectKey};
+use crate::tenants::Registry;
 
 /// Advisory lock key of the cleaner ("exportd-cleaner").
 const CLEANER_LOCK: i64 = 0x6578_706f_7274_636c;
 /// Temp files older than this belong to a crashed writer.
 const STALE_TEMP: Duration = Duration::from_secs(3600);
 
-/// What one pass did: (reason, files, bytes) per deletion, and how many exports expired.
+/// What one pass did: (reason, files, bytes) per deletion, how many exports expired, and how
+/// much history was collected.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Report {
     pub ran: bool,
     pub expired: u64,
     pub reclaimed: Vec<(String, u64, u64)>,
+    pub versions_collected: u64,
+    pub windows_collected: u64,
 }
 
 impl Report {
@@ -73,14 +77,24 @@ async fn record(
 }
 
 /// One cleaning pass at time `now`. Returns `ran: false` when another process holds the lock.
-pub async fn run_once(pool: &PgPool, store: &ArtifactStore, now: OffsetDateTime) -> anyhow::Result<Report> {
+pub async fn run_once(
+    pool: &PgPool,
+    store: &ArtifactStore,
+    registry: &Registry,
+    now: OffsetDateTime,
+) -> anyhow::Result<Report> {
     let mut lock = pool.acquire().await?;
     let locked: bool =
         sqlx::query_scalar("SELECT pg_try_advisory_lock($1)").bind(CLEANER_LOCK).fetch_one(&mut *lock).await?;
     if !locked {
         return Ok(Report::default());
     }
-    let result = clean(pool, store, now).await;
+    let mut result = clean(pool, store, now).await;
+    if let Ok(report) = &mut result {
+        if let Err(e) = collect_history(pool, registry, now, report).await {
+            result = Err(e);
+        }
+    }
     sqlx::query("SELECT pg_advisory_unlock($1)").bind(CLEANER_LOCK).execute(&mut *lock).await?;
     result
 }
@@ -117,6 +131,24 @@ async fn clean(pool: &PgPool, store: &ArtifactStore, now: OffsetDateTime) -> any
         report.reclaimed.push(("stale-temp".into(), files, bytes));
     }
     Ok(report)
+}
+
+/// Old record versions, tombstones, windows and ticks (see [`crate::feeds::gc`]).
+async fn collect_history(
+    pool: &PgPool,
+    registry: &Registry,
+    now: OffsetDateTime,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let mut oldest = now;
+    for tenant in registry.tenants() {
+        let collected = crate::feeds::gc::collect(pool, tenant, now).await.context("collecting history")?;
+        report.versions_collected += collected.versions;
+        report.windows_collected += collected.windows;
+        oldest = oldest.min(now - time::Duration::days(i64::from(tenant.retention.tombstone_days)));
+    }
+    crate::feeds::gc::collect_ticks(pool, oldest).await?;
+    Ok(())
 }
 
 /// Files no job references: exports that do not exist, and files of older attempts that no
@@ -178,12 +210,13 @@ pub(crate) fn older_than(path: &Path, age: Duration) -> bool {
 pub async fn run_periodically(
     pool: PgPool,
     store: ArtifactStore,
+    registry: std::sync::Arc<Registry>,
     clock: crate::clock::Clock,
     every: Duration,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
     while !*shutdown.borrow() {
-        match run_once(&pool, &store, clock.now()).await {
+        match run_once(&pool, &store, &registry, clock.now()).await {
             Ok(report) if report.ran && (report.expired > 0 || !report.reclaimed.is_empty()) => {
                 let bytes: u64 = report.reclaimed.iter().map(|r| r.2).sum();
                 tracing::info!(expired = report.expired, reclaimed_bytes = bytes, "cleaner pass");

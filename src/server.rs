@@ -83,8 +83,8 @@ fn spawn_cleaner(
     every: Duration,
     shutdown: &watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
-    let (pool, store) = (deps.pool.clone(), deps.store.clone());
-    tokio::spawn(crate::cleaner::run_periodically(pool, store, clock, every, shutdown.clone()))
+    let (pool, store, registry) = (deps.pool.clone(), deps.store.clone(), deps.registry.clone());
+    tokio::spawn(crate::cleaner::run_periodically(pool, store, registry, clock, every, shutdown.clone()))
 }
 
 /// `exportd worker`: workers only, sharing the jobs with every other process through PostgreSQL.

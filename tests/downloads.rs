@@ -268,7 +268,7 @@ async fn expiry_deletes_files_and_the_cleaner_sweeps_orphans_only(pool: PgPool) 
     std::fs::write(stale.join("shard-00000.jsonl.gz"), vec![7u8; 1000]).unwrap();
 
     let store = exportd::storage::ArtifactStore::open(app.data_dir.path()).unwrap();
-    let report = exportd::cleaner::run_once(&app.pool, &store, app.clock.now()).await.unwrap();
+    let report = exportd::cleaner::run_once(&app.pool, &store, &app.registry, app.clock.now()).await.unwrap();
     assert!(report.ran);
     assert_eq!(report.expired, 0);
     assert_eq!(report.bytes("orphan"), 4096);
@@ -279,7 +279,7 @@ async fn expiry_deletes_files_and_the_cleaner_sweeps_orphans_only(pool: PgPool) 
 
     // acme keeps artifacts 72 hours (fixture default): move the clock past that.
     app.clock.advance(std::time::Duration::from_secs(73 * 3600));
-    let report = exportd::cleaner::run_once(&app.pool, &store, app.clock.now()).await.unwrap();
+    let report = exportd::cleaner::run_once(&app.pool, &store, &app.registry, app.clock.now()).await.unwrap();
     assert_eq!(report.expired, 2);
     assert!(report.bytes("expired") > 0);
     assert_eq!(app.state(&expiring).await, "EXPIRED");
@@ -295,8 +295,8 @@ async fn expiry_deletes_files_and_the_cleaner_sweeps_orphans_only(pool: PgPool) 
 
     // Two cleaners at once: one runs, the other steps aside.
     let (a, b) = tokio::join!(
-        exportd::cleaner::run_once(&app.pool, &store, app.clock.now()),
-        exportd::cleaner::run_once(&app.pool, &store, app.clock.now())
+        exportd::cleaner::run_once(&app.pool, &store, &app.registry, app.clock.now()),
+        exportd::cleaner::run_once(&app.pool, &store, &app.registry, app.clock.now())
     );
     assert!(a.is_ok() && b.is_ok());
 }

@@ -416,3 +416,46 @@ async fn one_incremental_export_at_a_time_per_principal_and_dataset(pool: PgPool
     let response = app.create_export(&app.token("acme", "zenpartner"), Some("k"), &foreign).await;
     assert_eq!(response.status(), 400, "another principal's cursor");
 }
+
+async fn versions(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM record_versions").fetch_one(pool).await.unwrap()
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn old_history_is_collected_except_what_a_live_export_still_reads(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let token = app.token("acme", "alice");
+    let mut conn = app.pool.acquire().await.unwrap();
+    upsert(&mut conn, "kept", "v1", "emea").await;
+    upsert(&mut conn, "protected", "as exported", "emea").await;
+    upsert(&mut conn, "deleted", "v1", "emea").await;
+    // A queued export sealed now still needs "protected" as it is.
+    let queued = app.export(&token, &json!({"dataset": "tickets", "format": "jsonl"})).await;
+    upsert(&mut conn, "kept", "v2", "emea").await;
+    upsert(&mut conn, "protected", "changed later", "emea").await;
+    delete(&mut conn, "deleted").await;
+    let start = app.cursor_now(&token, "tickets").await;
+    seal(&app).await;
+    assert_eq!(versions(&app.pool).await, 6);
+
+    app.clock.advance(std::time::Duration::from_secs(31 * 86_400));
+    let store = exportd::storage::ArtifactStore::open(app.data_dir.path()).unwrap();
+    let gc = || exportd::cleaner::run_once(&app.pool, &store, &app.registry, app.clock.now());
+    // The queued export, sealed before every change above, still reads all the old versions.
+    assert_eq!(gc().await.unwrap().versions_collected, 0);
+    assert_eq!(app.drain().await, vec![Step::Published]);
+    let shard = &app.shard_files(&queued, app.data_dir.path()).await[0];
+    let text = String::from_utf8(common::gunzip(shard)).unwrap();
+    assert!(text.contains("as exported") && !text.contains("changed later"), "{text}");
+
+    // Now the closed versions of kept, protected and deleted, and deleted's tombstone, go.
+    assert_eq!(gc().await.unwrap().versions_collected, 4);
+    assert_eq!(versions(&app.pool).await, 2);
+    assert_eq!(committed_state(&app.pool).await.len(), 2, "the current state is untouched");
+    // Old cursors are refused rather than silently missing history.
+    let expired = app.get(Some(&token), &format!("/v1/datasets/tickets/changes?cursor={start}")).await;
+    assert_eq!(expired.status(), 410);
+    // Writing again after collection works (heads may point at collected tombstones).
+    upsert(&mut conn, "deleted", "reborn", "emea").await;
+    assert_eq!(committed_state(&app.pool).await.len(), 3);
+}

@@ -8,6 +8,7 @@
 
 mod changes;
 mod cursor;
+pub mod gc;
 mod ticker;
 mod window;
 

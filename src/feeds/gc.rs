@@ -1,0 +1,93 @@
+//! Garbage collection of history: closed record versions and tombstones older than the tenant's
+//! tombstone window, and the feed windows and ticks before it — never a version that a queued or
+//! running export still reads.
+
+use sqlx::PgPool;
+use time::OffsetDateTime;
+
+use crate::tenants::Tenant;
+
+const BATCH: i64 = 10_000;
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Collected {
+    pub versions: u64,
+    pub windows: u64,
+}
+
+/// Collects one tenant's history older than `tombstone_days` before `now`.
+///
+/// The horizon is the newest tick taken before then: cursors older than it answer 410, so no
+/// reader needs a version closed before it — except queued or running exports, whose watermarks
+/// (and incremental starts) protect every version they can still see.
+pub async fn collect(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sqlx::Result<Collected> {
+    let cutoff = now - time::Duration::days(i64::from(tenant.retention.tombstone_days));
+    let horizon: Option<(i64, String)> =
+        sqlx::query_as("SELECT id, snapshot::text FROM feed_ticks WHERE created_at <= $1 ORDER BY id DESC LIMIT 1")
+            .bind(cutoff)
+            .fetch_optional(pool)
+            .await?;
+    let Some((horizon_tick, horizon)) = horizon else { return Ok(Collected::default()) };
+    let live: Vec<String> = sqlx::query_scalar(
+        "SELECT watermark::text FROM export_jobs WHERE tenant = $1 AND state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
+         UNION ALL
+         SELECT start_from FROM export_jobs WHERE tenant = $1 AND start_from IS NOT NULL
+           AND state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')",
+    )
+    .bind(tenant.id.as_str())
+    .fetch_all(pool)
+    .await?;
+    let mut collected = Collected::default();
+    loop {
+        // A closed version is dead once its closing transaction is visible to the horizon and to
+        // every live reader; a current tombstone once its deleting transaction is.
+        let deleted = sqlx::query(
+            "DELETE FROM record_versions WHERE id IN (
+                 SELECT v.id FROM record_versions v
+                 WHERE v.tenant = $1
+                   AND ((v.closed_xid IS NOT NULL AND pg_visible_in_snapshot(v.closed_xid, $2::pg_snapshot)
+                         AND NOT EXISTS (SELECT 1 FROM unnest($3::text[]) AS s(snap)
+                                         WHERE NOT pg_visible_in_snapshot(v.closed_xid, s.snap::pg_snapshot)))
+                     OR (v.data IS NULL AND v.closed_xid IS NULL AND pg_visible_in_snapshot(v.created_xid, $2::pg_snapshot)
+                         AND NOT EXISTS (SELECT 1 FROM unnest($3::text[]) AS s(snap)
+                                         WHERE NOT pg_visible_in_snapshot(v.created_xid, s.snap::pg_snapshot))))
+                 LIMIT $4)",
+        )
+        .bind(tenant.id.as_str())
+        .bind(&horizon)
+        .bind(&live)
+        .bind(BATCH)
+        .execute(pool)
+        .await?
+        .rows_affected();
+        collected.versions += deleted;
+        if deleted < BATCH as u64 {
+            break;
+        }
+    }
+    // Windows before the horizon, unless a live incremental export may still be reading its chain.
+    collected.windows = sqlx::query(
+        "DELETE FROM feed_windows WHERE tenant = $1 AND to_tick < $2
+           AND NOT EXISTS (SELECT 1 FROM export_jobs WHERE tenant = $1 AND start_from IS NOT NULL
+                             AND state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED'))",
+    )
+    .bind(tenant.id.as_str())
+    .bind(horizon_tick)
+    .execute(pool)
+    .await?
+    .rows_affected();
+    Ok(collected)
+}
+
+/// Ticks before the oldest horizon of all tenants that no window ends at.
+pub async fn collect_ticks(pool: &PgPool, oldest_cutoff: OffsetDateTime) -> sqlx::Result<u64> {
+    Ok(sqlx::query(
+        "DELETE FROM feed_ticks t WHERE t.created_at < $1
+           AND t.id < (SELECT max(id) FROM feed_ticks WHERE created_at <= $1)
+           AND NOT EXISTS (SELECT 1 FROM feed_windows w WHERE w.to_tick = t.id)",
+    )
+    .bind(oldest_cutoff)
+    .execute(pool)
+    .await?
+    .rows_affected())
+}
