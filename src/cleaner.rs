@@ -89,12 +89,10 @@ pub async fn run_once(
     if !locked {
         return Ok(Report::default());
     }
-    let mut result = clean(pool, store, now).await;
-    if let Ok(report) = &mut result {
-        if let Err(e) = collect_history(pool, registry, now, report).await {
-            result = Err(e);
-        }
-    }
+    let result = match clean(pool, store, now).await {
+        Ok(mut report) => collect_history(pool, registry, now, &mut report).await.map(|()| report),
+        Err(e) => Err(e),
+    };
     sqlx::query("SELECT pg_advisory_unlock($1)").bind(CLEANER_LOCK).execute(&mut *lock).await?;
     result
 }
