@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use exportd::client::DownloadOptions;
+use exportd::client::{DownloadOptions, PullOptions};
 use exportd::config::Settings;
 use exportd::server::ServeOptions;
 use exportd::tenants::Registry;
@@ -80,6 +80,27 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         limit_rate: u64,
     },
+    /// Follow a dataset's change feed into a JSONL file (partners).
+    Pull {
+        #[arg(long)]
+        dataset: String,
+        /// Holds the cursor between runs; when missing, the feed starts from now.
+        #[arg(long)]
+        cursor_file: PathBuf,
+        /// JSONL file the changes are appended to.
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, env = "EXPORTD_URL", default_value = "http://127.0.0.1:8080")]
+        url: String,
+        #[arg(long, env = "EXPORTD_TOKEN", hide_env_values = true)]
+        token: String,
+        /// Changes per request (1 to 10 000).
+        #[arg(long, default_value_t = 1000)]
+        limit: usize,
+        /// Keep polling at the end of the stream.
+        #[arg(long)]
+        follow: bool,
+    },
     /// Load deterministic synthetic records with COPY.
     Seed {
         #[arg(long)]
@@ -115,6 +136,13 @@ async fn main() -> anyhow::Result<()> {
             for path in exportd::client::download(&options).await? {
                 println!("{}", path.display());
             }
+            Ok(())
+        }
+        Command::Pull { dataset, cursor_file, out, url, token, limit, follow } => {
+            let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
+            let options = PullOptions { base_url: url, token, dataset, cursor_file, out, limit, follow, progress };
+            let written = exportd::client::pull(&options).await?;
+            println!("{written} changes");
             Ok(())
         }
         Command::Migrate => {

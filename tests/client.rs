@@ -148,3 +148,52 @@ async fn a_corrupted_download_fails_with_a_clear_message(pool: PgPool) {
     );
     assert!(!out.path().join(manifest["shards"][1]["name"].as_str().unwrap()).exists());
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn pull_appends_each_change_once_and_keeps_its_cursor(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (cursor_file, out) = (dir.path().join("tickets.cursor"), dir.path().join("changes.jsonl"));
+    let pull = || {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_exportd"));
+        command
+            .args(["pull", "--dataset", "tickets", "--limit", "1", "--cursor-file"])
+            .arg(&cursor_file)
+            .arg("--out")
+            .arg(&out)
+            .env("EXPORTD_URL", app.url(""))
+            .env("EXPORTD_TOKEN", app.token("acme", "alice"))
+            .env("EXPORTD_LOG", "error");
+        command
+    };
+    let lines = || {
+        std::fs::read_to_string(&out)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .collect::<Vec<_>>()
+    };
+
+    assert!(pull().output().await.unwrap().status.success());
+    assert!(cursor_file.exists(), "a missing cursor file starts the feed from now");
+    let mut conn = app.pool.acquire().await.unwrap();
+    for key in ["a", "b"] {
+        sqlx::query("SELECT exportd_upsert('acme', 'tickets', $1, '{\"subject\": \"s\", \"status\": \"open\"}')")
+            .bind(key)
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+    }
+    app.tick().await;
+    app.pass_safety_delay();
+    let run = pull().output().await.unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert_eq!(String::from_utf8_lossy(&run.stdout).trim(), "2 changes");
+    sqlx::query("SELECT exportd_delete('acme', 'tickets', 'a')").execute(&mut *conn).await.unwrap();
+    app.tick().await;
+    app.pass_safety_delay();
+    assert!(pull().output().await.unwrap().status.success());
+    let keys: Vec<(String, String)> =
+        lines().iter().map(|c| (c["op"].as_str().unwrap().to_owned(), c["key"].as_str().unwrap().to_owned())).collect();
+    assert_eq!(keys, [("upsert".into(), "a".into()), ("upsert".into(), "b".into()), ("delete".into(), "a".into())]);
+}

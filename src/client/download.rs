@@ -162,7 +162,7 @@ async fn throttle(rate: u64, received: u64, started: Instant) {
 }
 
 /// The response if it succeeded, else an error carrying the problem's detail.
-async fn ok(response: reqwest::Response) -> anyhow::Result<reqwest::Response> {
+pub(super) async fn ok(response: reqwest::Response) -> anyhow::Result<reqwest::Response> {
     if response.status().is_success() {
         return Ok(response);
     }
