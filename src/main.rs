@@ -64,12 +64,8 @@ enum Command {
         /// Directory to write into.
         #[arg(long)]
         out: PathBuf,
-        /// Server URL.
-        #[arg(long, env = "EXPORTD_URL", default_value = "http://127.0.0.1:8080")]
-        url: String,
-        /// Bearer token of the export's owner or a tenant admin.
-        #[arg(long, env = "EXPORTD_TOKEN", hide_env_values = true)]
-        token: String,
+        #[command(flatten)]
+        server: ServerArgs,
         /// Fetch the shard files instead of the whole file.
         #[arg(long)]
         shards: bool,
@@ -90,10 +86,8 @@ enum Command {
         /// JSONL file the changes are appended to.
         #[arg(long)]
         out: PathBuf,
-        #[arg(long, env = "EXPORTD_URL", default_value = "http://127.0.0.1:8080")]
-        url: String,
-        #[arg(long, env = "EXPORTD_TOKEN", hide_env_values = true)]
-        token: String,
+        #[command(flatten)]
+        server: ServerArgs,
         /// Changes per request (1 to 10 000).
         #[arg(long, default_value_t = 1000)]
         limit: usize,
@@ -118,6 +112,17 @@ enum Command {
     },
 }
 
+/// Where the partner-side commands reach the server, and as whom.
+#[derive(clap::Args)]
+struct ServerArgs {
+    /// Server URL.
+    #[arg(long, env = "EXPORTD_URL", default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// Bearer token (for downloads: of the export's owner or a tenant admin).
+    #[arg(long, env = "EXPORTD_TOKEN", hide_env_values = true)]
+    token: String,
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -129,18 +134,19 @@ async fn main() -> anyhow::Result<()> {
             exportd::server::serve(&settings, options).await
         }
         Command::Worker { workers, exit_when_idle } => exportd::server::work(&settings, workers, exit_when_idle).await,
-        Command::Download { export_id, out, url, token, shards, parallel, limit_rate } => {
+        Command::Download { export_id, out, server, shards, parallel, limit_rate } => {
             let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
-            let options =
-                DownloadOptions { base_url: url, token, export_id, out, shards, parallel, limit_rate, progress };
+            let (base_url, token) = (server.url, server.token);
+            let options = DownloadOptions { base_url, token, export_id, out, shards, parallel, limit_rate, progress };
             for path in exportd::client::download(&options).await? {
                 println!("{}", path.display());
             }
             Ok(())
         }
-        Command::Pull { dataset, cursor_file, out, url, token, limit, follow } => {
+        Command::Pull { dataset, cursor_file, out, server, limit, follow } => {
             let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
-            let options = PullOptions { base_url: url, token, dataset, cursor_file, out, limit, follow, progress };
+            let (base_url, token) = (server.url, server.token);
+            let options = PullOptions { base_url, token, dataset, cursor_file, out, limit, follow, progress };
             let written = exportd::client::pull(&options).await?;
             println!("{written} changes");
             Ok(())

@@ -174,14 +174,12 @@ async fn window_changes(pool: &PgPool, feed: &Feed<'_>, window: &Window, keys: &
          LEFT JOIN LATERAL (
              SELECT v.data FROM record_versions v
              WHERE v.tenant = $1 AND v.dataset = $2 AND v.key = k.key AND v.data IS NOT NULL
-               AND pg_visible_in_snapshot(v.created_xid, $4::pg_snapshot)
-               AND (v.closed_xid IS NULL OR NOT pg_visible_in_snapshot(v.closed_xid, $4::pg_snapshot))
+               AND exportd_live_at(v.created_xid, v.closed_xid, $4::pg_snapshot)
              LIMIT 1) a ON true
          LEFT JOIN LATERAL (
              SELECT v.data FROM record_versions v
              WHERE v.tenant = $1 AND v.dataset = $2 AND v.key = k.key AND v.data IS NOT NULL
-               AND pg_visible_in_snapshot(v.created_xid, $5::pg_snapshot)
-               AND (v.closed_xid IS NULL OR NOT pg_visible_in_snapshot(v.closed_xid, $5::pg_snapshot))
+               AND exportd_live_at(v.created_xid, v.closed_xid, $5::pg_snapshot)
              LIMIT 1) b ON true
          ORDER BY k.n",
     )

@@ -125,8 +125,7 @@ impl<'a> AsOf<'a> {
         sqlx::query_as(
             "SELECT v.key, v.data::text AS data FROM record_versions v
              WHERE v.tenant = $1 AND v.dataset = $2 AND v.key > $4
-               AND pg_visible_in_snapshot(v.created_xid, $3::pg_snapshot)
-               AND (v.closed_xid IS NULL OR NOT pg_visible_in_snapshot(v.closed_xid, $3::pg_snapshot))
+               AND exportd_live_at(v.created_xid, v.closed_xid, $3::pg_snapshot)
                AND v.data IS NOT NULL
                AND ($6::jsonb IS NULL OR v.data @> $6)
                AND ($7::jsonb IS NULL OR v.data @> $7)
