@@ -14,6 +14,7 @@ pub mod feeds;
 pub mod http;
 pub mod jobs;
 pub mod links;
+pub mod quota;
 pub mod records;
 pub mod server;
 pub mod storage;

@@ -16,6 +16,7 @@ use crate::feeds;
 use crate::http::{self, AppState};
 use crate::jobs::{self, WorkerConfig, WorkerDeps};
 use crate::links::LinkKeys;
+use crate::quota::RateLimits;
 use crate::storage::ArtifactStore;
 use crate::tenants::Registry;
 
@@ -58,6 +59,8 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     let mut handles = jobs::spawn_workers(&deps, options.workers, &shutdown);
     handles.push(spawn_cleaner(&deps, clock.clone(), options.clean_every, &shutdown));
     handles.push(tokio::spawn(feeds::run_ticker(pool.clone(), TICK_EVERY, shutdown.clone())));
+    let limits = Arc::new(RateLimits::new(&registry));
+    handles.push(tokio::spawn(forget_idle_rate_keys(limits.clone(), shutdown.clone())));
     let state = AppState {
         pool: pool.clone(),
         registry,
@@ -65,6 +68,7 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
         links: deps.keys.clone(),
         clock,
         link_ttl: options.link_ttl,
+        limits: limits.clone(),
     };
     let mut http_shutdown = shutdown.clone();
     let stopped = async move {
@@ -75,6 +79,15 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     pool.close().await;
     tracing::info!("exportd stopped");
     Ok(())
+}
+
+async fn forget_idle_rate_keys(limits: Arc<RateLimits>, mut shutdown: watch::Receiver<bool>) {
+    while !*shutdown.borrow() {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(60)) => limits.retain_recent(),
+            _ = shutdown.changed() => {}
+        }
+    }
 }
 
 fn spawn_cleaner(

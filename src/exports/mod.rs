@@ -38,6 +38,8 @@ pub enum ExportError {
     InvalidCursor { field: &'static str, detail: String },
     #[error("{0}")]
     CursorExpired(String),
+    #[error("the tenant already has {queued} queued exports (quota max_queued_exports = {limit})")]
+    QuotaExceeded { limit_name: &'static str, limit: u64, queued: u64 },
     #[error("an incremental export of this dataset is already queued or running for this principal")]
     IncrementalInProgress,
     #[error("this Idempotency-Key was already used with a different request")]
@@ -143,6 +145,26 @@ pub async fn create(
         Mode::Full => None,
         Mode::Incremental => Some(incremental::start(pool, caller, &spec, request.since.as_deref(), feed).await?),
     };
+    let mut tx = pool.begin().await?;
+    // Serialize this tenant's creates on its usage row, then count: exactly max_queued_exports
+    // creates succeed however many arrive at once.
+    sqlx::query(
+        "INSERT INTO tenant_usage (tenant) VALUES ($1)
+         ON CONFLICT ON CONSTRAINT tenant_usage_pkey DO UPDATE SET tenant = EXCLUDED.tenant",
+    )
+    .bind(caller.tenant.id.as_str())
+    .execute(&mut *tx)
+    .await?;
+    let queued: i64 = sqlx::query_scalar("SELECT count(*) FROM export_jobs WHERE tenant = $1 AND state = 'QUEUED'")
+        .bind(caller.tenant.id.as_str())
+        .fetch_one(&mut *tx)
+        .await?;
+    let limit = u64::from(caller.tenant.quota.max_queued_exports);
+    if queued as u64 >= limit {
+        drop(tx);
+        count_quota_rejection(pool, caller.tenant.id.as_str()).await?;
+        return Err(ExportError::QuotaExceeded { limit_name: "max_queued_exports", limit, queued: queued as u64 });
+    }
     let inserted: Option<ExportJob> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "INSERT INTO export_jobs (id, tenant, principal, dataset, mode, format, request, request_sha256,
              idempotency_key, columns, filter, row_filter, shard_rows, watermark,
@@ -168,12 +190,13 @@ pub async fn create(
     .bind(start.as_ref().map(|s| s.from.as_str()))
     .bind(start.as_ref().and_then(|s| s.after.as_deref()))
     .bind(start.as_ref().map(|s| s.until_tick))
-    .fetch_optional(pool)
+    .fetch_optional(&mut *tx)
     .await
     .map_err(|e| match e.as_database_error().and_then(|d| d.constraint()) {
         Some("export_jobs_one_incremental") => ExportError::IncrementalInProgress,
         _ => ExportError::Database(e),
     })?;
+    tx.commit().await?;
     match inserted {
         Some(job) => Ok(Created { job, replayed: false }),
         None => {
@@ -181,6 +204,14 @@ pub async fn create(
             replay(existing, &request_sha256)
         }
     }
+}
+
+async fn count_quota_rejection(pool: &PgPool, tenant: &str) -> sqlx::Result<()> {
+    sqlx::query("UPDATE tenant_usage SET quota_rejections = quota_rejections + 1 WHERE tenant = $1")
+        .bind(tenant)
+        .execute(pool)
+        .await?;
+    Ok(())
 }
 
 fn replay(existing: ExportJob, request_sha256: &str) -> Result<Created, ExportError> {

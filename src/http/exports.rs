@@ -371,6 +371,14 @@ impl From<ExportError> for ApiError {
                 ApiError::new(StatusCode::BAD_REQUEST, "invalid-cursor", detail).with("field", field)
             }
             ExportError::CursorExpired(_) => ApiError::new(StatusCode::GONE, "cursor-expired", detail),
+            ExportError::QuotaExceeded { limit_name, limit, .. } => {
+                let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "quota-exceeded", detail)
+                    .with("limit", limit_name)
+                    .with("max", limit);
+                // A queued export starts (and leaves the queue) within seconds to minutes.
+                e.retry_after_seconds = Some(30);
+                e
+            }
             ExportError::IncrementalInProgress => {
                 ApiError::new(StatusCode::CONFLICT, "incremental-in-progress", detail)
             }

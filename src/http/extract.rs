@@ -15,8 +15,36 @@ impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        caller_from_headers(state, &parts.headers)
+        let caller = caller_from_headers(state, &parts.headers)?;
+        if let Err(wait) = state.limits.check_api(&caller) {
+            count_rate_limited(state, caller.tenant.id.as_str());
+            let mut e = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate-limited",
+                "too many requests: the tenant's api_requests_per_second is exceeded",
+            );
+            e.retry_after_seconds = Some(wait.as_secs_f64().ceil().max(1.0) as u64);
+            return Err(e);
+        }
+        Ok(caller)
     }
+}
+
+/// Counts a refusal for the usage API, without holding up the response.
+fn count_rate_limited(state: &AppState, tenant: &str) {
+    let (pool, tenant) = (state.pool.clone(), tenant.to_owned());
+    tokio::spawn(async move {
+        let counted = sqlx::query(
+            "INSERT INTO tenant_usage (tenant, rate_limited) VALUES ($1, 1)
+             ON CONFLICT ON CONSTRAINT tenant_usage_pkey DO UPDATE SET rate_limited = tenant_usage.rate_limited + 1",
+        )
+        .bind(&tenant)
+        .execute(&pool)
+        .await;
+        if let Err(e) = counted {
+            tracing::warn!(error = %e, "could not count a rate-limited request");
+        }
+    });
 }
 
 /// The caller named by the `Authorization: Bearer` header, or a 401.

@@ -7,6 +7,7 @@ use sqlx::PgPool;
 
 use crate::clock::Clock;
 use crate::links::LinkKeys;
+use crate::quota::RateLimits;
 use crate::storage::ArtifactStore;
 use crate::tenants::Registry;
 
@@ -19,4 +20,5 @@ pub struct AppState {
     pub clock: Clock,
     /// Lifetime of the signed download links in export status responses.
     pub link_ttl: Duration,
+    pub limits: Arc<RateLimits>,
 }

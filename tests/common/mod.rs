@@ -12,6 +12,7 @@ use exportd::clock::Clock;
 use exportd::http::{self, AppState};
 use exportd::jobs::{Step, WorkerConfig, WorkerDeps};
 use exportd::links::LinkKeys;
+use exportd::quota::RateLimits;
 use exportd::storage::ArtifactStore;
 use exportd::tenants::{Registry, Tenant};
 use serde_json::Value;
@@ -60,6 +61,7 @@ impl TestApp {
             links: Arc::new(LinkKeys::parse(LINK_KEYS).unwrap()),
             clock: clock.clone(),
             link_ttl: Duration::from_secs(300),
+            limits: Arc::new(RateLimits::new(&registry)),
         };
         tokio::spawn(http::serve(listener, http::app(state), std::future::pending(), Duration::from_secs(1)));
         TestApp { addr, pool, registry, client: reqwest::Client::new(), data_dir, clock }
@@ -173,6 +175,7 @@ impl TestApp {
         let addr = listener.local_addr().unwrap();
         let state = AppState {
             pool: self.pool.clone(),
+            limits: Arc::new(RateLimits::new(&registry)),
             registry,
             store: ArtifactStore::open(self.data_dir.path()).expect("artifact store"),
             links: Arc::new(LinkKeys::parse(LINK_KEYS).unwrap()),

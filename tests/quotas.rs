@@ -1,0 +1,70 @@
+//! Per-tenant limits under concurrency.
+
+mod common;
+
+use common::{TestApp, problem};
+use serde_json::json;
+use sqlx::PgPool;
+
+#[sqlx::test(migrations = "./migrations")]
+async fn fifty_concurrent_creates_leave_exactly_the_queue_limit(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let token = app.token("globex", "hank"); // max_queued_exports = 5
+    let body = json!({"dataset": "tickets", "format": "csv"});
+    let keys: Vec<String> = (0..50).map(|n| format!("create-{n}")).collect();
+    let responses =
+        futures_util::future::join_all(keys.iter().map(|k| app.create_export(&token, Some(k), &body))).await;
+    let mut accepted = 0;
+    for response in responses {
+        match response.status().as_u16() {
+            202 => accepted += 1,
+            429 => {
+                assert!(response.headers()["retry-after"].to_str().unwrap().parse::<u64>().unwrap() > 0);
+                let body = problem(response).await;
+                assert_eq!(body["code"], "quota-exceeded");
+                assert_eq!(body["limit"], "max_queued_exports");
+            }
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    assert_eq!(accepted, 5);
+    let jobs: i64 = sqlx::query_scalar("SELECT count(*) FROM export_jobs WHERE tenant = 'globex'")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(jobs, 5);
+    // Another tenant is not affected.
+    assert_eq!(app.create_export(&app.token("acme", "alice"), Some("k"), &body).await.status(), 202);
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_burst_over_the_api_rate_gets_429_then_recovers(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let token = app.token("initech", "bill"); // 2 requests/s, burst 3
+    let responses = futures_util::future::join_all((0..8).map(|_| app.get(Some(&token), "/v1/datasets"))).await;
+    let limited: Vec<&reqwest::Response> = responses.iter().filter(|r| r.status() == 429).collect();
+    assert!(limited.len() >= 4, "{} of 8 refused", limited.len());
+    assert_eq!(responses.iter().filter(|r| r.status() == 200).count() + limited.len(), 8);
+    let retry: u64 = limited[0].headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(retry >= 1);
+    // Partners have buckets of their own; other tenants are not affected.
+    assert_eq!(app.get(Some(&app.token("initech", "milton")), "/v1/datasets").await.status(), 200);
+    assert_eq!(app.get(Some(&app.token("acme", "alice")), "/v1/datasets").await.status(), 200);
+    // Waiting what the server said is enough.
+    tokio::time::sleep(std::time::Duration::from_secs(retry)).await;
+    assert_eq!(app.get(Some(&token), "/v1/datasets").await.status(), 200);
+    let counted = async {
+        for _ in 0..100 {
+            let n: Option<i64> = sqlx::query_scalar("SELECT rate_limited FROM tenant_usage WHERE tenant = 'initech'")
+                .fetch_optional(&app.pool)
+                .await
+                .unwrap();
+            if n.unwrap_or(0) >= limited.len() as i64 {
+                return true;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        false
+    };
+    assert!(counted.await, "refusals are counted for the usage API");
+}
