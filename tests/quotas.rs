@@ -68,3 +68,32 @@ async fn a_burst_over_the_api_rate_gets_429_then_recovers(pool: PgPool) {
     };
     assert!(counted.await, "refusals are counted for the usage API");
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_small_export_of_another_tenant_does_not_wait_behind_a_big_queue(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 40).await;
+    app.seed("globex", "tickets", 5).await;
+    let (acme, globex) = (app.token("acme", "alice"), app.token("globex", "hank"));
+    let mut big = Vec::new();
+    for _ in 0..20 {
+        big.push(app.export(&acme, &json!({"dataset": "tickets", "format": "csv", "shard_rows": 10})).await);
+    }
+    let small = app.export(&globex, &json!({"dataset": "tickets", "format": "csv"})).await;
+
+    // Two workers at once.
+    let (deps_one, deps_two) = (app.deps(), app.deps());
+    let (one, two) =
+        tokio::join!(exportd::jobs::drain(&deps_one, "worker-1"), exportd::jobs::drain(&deps_two, "worker-2"));
+    assert_eq!(one.unwrap().len() + two.unwrap().len(), 21);
+    let order: Vec<String> =
+        sqlx::query_scalar("SELECT id::text FROM export_jobs WHERE state = 'SUCCEEDED' ORDER BY finished_at, id")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(order.len(), 21);
+    let small_at = order.iter().position(|id| id == &small).unwrap();
+    let third_big_at = order.iter().position(|id| id == &big[2]).unwrap();
+    assert!(small_at < third_big_at, "the small export finished {small_at}th, the third big one {third_big_at}th");
+    assert!(small_at <= 2, "finished {small_at}th");
+}

@@ -24,30 +24,80 @@ fn millis(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-/// Claims the oldest job that is QUEUED, or whose lease expired (a crashed or released
-/// worker's), or that awaits its cancellation. QUEUED becomes RUNNING; the generation grows.
-pub async fn claim(pool: &PgPool, worker_id: &str, ttl: Duration) -> sqlx::Result<Option<ExportJob>> {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "UPDATE export_jobs SET
-             state = CASE WHEN state = 'QUEUED' THEN 'RUNNING' ELSE state END,
-             lease_generation = lease_generation + 1,
+/// A claimed job, and whether its previous holder yielded it cleanly between shards.
+#[derive(Debug, sqlx::FromRow)]
+pub struct Claimed {
+    #[sqlx(flatten)]
+    pub job: ExportJob,
+    pub was_yielded: bool,
+}
+
+/// Claims the next job fairly: among tenants below their `max_running_exports` (given as
+/// `limits`), the one served least recently; within it, its oldest job that is QUEUED, whose
+/// lease expired or was given back, or that awaits its cancellation. QUEUED becomes RUNNING; the
+/// generation grows; a yielded job's claim is not counted as another attempt.
+pub async fn claim(
+    pool: &PgPool,
+    worker_id: &str,
+    ttl: Duration,
+    limits: &[(String, i32)],
+) -> sqlx::Result<Option<Claimed>> {
+    let (tenants, max_running): (Vec<&str>, Vec<i32>) = limits.iter().map(|(t, m)| (t.as_str(), *m)).unzip();
+    let mut tx = pool.begin().await?;
+    let claimed: Option<Claimed> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "WITH limits AS (SELECT * FROM unnest($3::text[], $4::int[]) AS l(tenant, max_running)),
+         busy AS (
+             SELECT tenant, count(*) AS running FROM export_jobs
+             WHERE state IN ('RUNNING', 'CANCEL_REQUESTED') AND lease_expires_at >= now() GROUP BY tenant),
+         waiting AS (
+             SELECT DISTINCT tenant FROM export_jobs
+             WHERE state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
+               AND (lease_expires_at IS NULL OR lease_expires_at < now())),
+         candidate AS (
+             SELECT c.id, c.yielded FROM waiting w
+             LEFT JOIN limits l ON l.tenant = w.tenant
+             LEFT JOIN busy b ON b.tenant = w.tenant
+             LEFT JOIN tenant_usage u ON u.tenant = w.tenant
+             CROSS JOIN LATERAL (
+                 SELECT j.id, j.yielded, j.created_at FROM export_jobs j
+                 WHERE j.tenant = w.tenant AND j.state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
+                   AND (j.lease_expires_at IS NULL OR j.lease_expires_at < now())
+                 ORDER BY j.created_at, j.id
+                 LIMIT 1
+                 FOR UPDATE SKIP LOCKED) c
+             WHERE coalesce(b.running, 0) < coalesce(l.max_running, 1)
+             ORDER BY u.last_claimed_at NULLS FIRST, c.created_at, c.id
+             LIMIT 1)
+         UPDATE export_jobs j SET
+             state = CASE WHEN j.state = 'QUEUED' THEN 'RUNNING' ELSE j.state END,
+             lease_generation = j.lease_generation + 1,
              lease_owner = $1,
              lease_expires_at = now() + $2 * interval '1 millisecond',
-             attempts = attempts + 1,
-             started_at = coalesce(started_at, now())
-         WHERE id = (
-             SELECT id FROM export_jobs
-             WHERE state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
-               AND (lease_expires_at IS NULL OR lease_expires_at < now())
-             ORDER BY created_at, id
-             FOR UPDATE SKIP LOCKED
-             LIMIT 1)
-         RETURNING {JOB_COLUMNS}"
+             attempts = j.attempts + CASE WHEN j.yielded THEN 0 ELSE 1 END,
+             yielded = false,
+             started_at = coalesce(j.started_at, now())
+         FROM candidate
+         WHERE j.id = candidate.id
+         RETURNING {}, candidate.yielded AS was_yielded",
+        JOB_COLUMNS.split(", ").map(|c| format!("j.{c}")).collect::<Vec<_>>().join(", ")
     )))
     .bind(worker_id)
     .bind(millis(ttl))
-    .fetch_optional(pool)
-    .await
+    .bind(&tenants)
+    .bind(&max_running)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some(claimed) = &claimed {
+        sqlx::query(
+            "INSERT INTO tenant_usage (tenant, last_claimed_at) VALUES ($1, clock_timestamp())
+             ON CONFLICT ON CONSTRAINT tenant_usage_pkey DO UPDATE SET last_claimed_at = clock_timestamp()",
+        )
+        .bind(&claimed.job.tenant)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(claimed)
 }
 
 /// Extends the lease; returns the job's state (a cancel request shows up here).
@@ -183,11 +233,12 @@ pub async fn finish(
     Ok(Ok(()))
 }
 
-/// Gives the job back (shutdown): another worker may claim it at once.
+/// Gives the job back after a finished shard (shutdown, or yielding to other tenants): another
+/// worker may claim it at once, without re-verifying the files or counting an attempt.
 pub async fn release(pool: &PgPool, lease: Lease) -> sqlx::Result<()> {
     sqlx::query(
-        "UPDATE export_jobs SET lease_owner = NULL, lease_expires_at = NULL
-         WHERE id = $1 AND lease_generation = $2",
+        "UPDATE export_jobs SET lease_owner = NULL, lease_expires_at = NULL, yielded = true
+         WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING'",
     )
     .bind(lease.job_id)
     .bind(lease.generation)

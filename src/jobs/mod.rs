@@ -30,6 +30,8 @@ pub struct WorkerConfig {
     pub poll_interval: Duration,
     /// Attempts (first run plus takeovers) before a job fails with `attempts-exhausted`.
     pub max_attempts: i32,
+    /// Give the job back after every shard, so the next claim can serve another tenant.
+    pub yield_between_shards: bool,
 }
 
 impl Default for WorkerConfig {
@@ -39,6 +41,7 @@ impl Default for WorkerConfig {
             page_rows: 2_000,
             poll_interval: Duration::from_secs(1),
             max_attempts: 5,
+            yield_between_shards: true,
         }
     }
 }
@@ -80,15 +83,22 @@ pub async fn run_next_job(
         if step.is_final() {
             return Ok(Outcome::Ran(step));
         }
+        if deps.config.yield_between_shards && matches!(step, Step::ShardWritten { last: false, .. }) {
+            run.release().await?;
+            return Ok(Outcome::Ran(Step::Yielded));
+        }
     }
 }
 
-/// Runs jobs until every job is done, then returns (`exportd worker --exit-when-idle`, tests).
+/// Runs jobs until every job is done, then returns how each run ended (yields left out)
+/// (`exportd worker --exit-when-idle`, tests).
 pub async fn drain(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Vec<Step>> {
     let (_keep, shutdown) = watch::channel(false);
     let mut steps = Vec::new();
     while let Outcome::Ran(step) = run_next_job(deps, worker_id, &shutdown).await? {
-        steps.push(step);
+        if step != Step::Yielded {
+            steps.push(step);
+        }
     }
     Ok(steps)
 }
@@ -97,6 +107,7 @@ pub async fn drain(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Vec<Ste
 pub async fn run_worker(deps: WorkerDeps, worker_id: String, mut shutdown: watch::Receiver<bool>) {
     while !*shutdown.borrow() {
         let idle = match run_next_job(&deps, &worker_id, &shutdown).await {
+            Ok(Outcome::Ran(Step::Yielded)) => false,
             Ok(Outcome::Ran(step)) => {
                 tracing::info!(worker = %worker_id, outcome = ?step, "job run ended");
                 false

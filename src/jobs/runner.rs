@@ -45,6 +45,8 @@ pub enum Step {
     LeaseLost,
     /// Given back on shutdown; another worker continues from the last checkpoint.
     Released,
+    /// Given back after a shard so other tenants' work can interleave; claimable at once.
+    Yielded,
 }
 
 impl Step {
@@ -189,8 +191,11 @@ pub struct ClaimedExport {
 impl ClaimedExport {
     /// Claims the next job, if any, with a fresh lease generation.
     pub async fn claim(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Option<ClaimedExport>> {
-        let Some(job) = fenced::claim(&deps.pool, worker_id, deps.config.lease_ttl).await.context("claiming a job")?
-        else {
+        let limits: Vec<(String, i32)> =
+            deps.registry.tenants().map(|t| (t.id.to_string(), t.quota.max_running_exports as i32)).collect();
+        let claimed =
+            fenced::claim(&deps.pool, worker_id, deps.config.lease_ttl, &limits).await.context("claiming a job")?;
+        let Some(fenced::Claimed { job, was_yielded }) = claimed else {
             return Ok(None);
         };
         let lease = Lease { job_id: job.id, generation: job.lease_generation };
@@ -203,8 +208,9 @@ impl ClaimedExport {
             job,
             lease,
             plan,
+            // Files of a job given back cleanly between shards need no second look.
+            verified: if was_yielded { checkpoints.len() } else { 0 },
             checkpoints,
-            verified: 0,
             phase: Phase::Start,
             heartbeat,
         }))
@@ -258,7 +264,7 @@ impl ClaimedExport {
         }
     }
 
-    /// Gives the job back so another worker can continue at once (shutdown).
+    /// Gives the job back so another worker can continue at once (shutdown, or yielding).
     pub async fn release(self) -> anyhow::Result<()> {
         fenced::release(&self.deps.pool, self.lease).await?;
         tracing::info!(export = %self.job.id, "released export lease");
