@@ -97,3 +97,38 @@ async fn a_small_export_of_another_tenant_does_not_wait_behind_a_big_queue(pool:
     assert!(small_at < third_big_at, "the small export finished {small_at}th, the third big one {third_big_at}th");
     assert!(small_at <= 2, "finished {small_at}th");
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn usage_shows_limits_counts_and_released_storage(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 120).await;
+    let admin = app.token("acme", "alice");
+    let id = app.export(&admin, &json!({"dataset": "tickets", "format": "csv", "shard_rows": 50})).await;
+    app.export(&admin, &json!({"dataset": "contacts", "format": "csv"})).await;
+    let usage: serde_json::Value = app.get(Some(&admin), "/v1/usage").await.json().await.unwrap();
+    assert_eq!(usage["usage"]["queued_exports"], 2);
+    assert!(usage["queue"]["oldest_queued_age_seconds"].as_i64().unwrap() >= 0);
+    assert_eq!(usage["limits"]["max_queued_exports"], 50);
+    app.drain().await;
+
+    let status: serde_json::Value = app.get(Some(&admin), &format!("/v1/exports/{id}")).await.json().await.unwrap();
+    let body =
+        app.client.get(app.url(status["links"]["file"].as_str().unwrap())).send().await.unwrap().bytes().await.unwrap();
+    let usage: serde_json::Value = app.get(Some(&admin), "/v1/usage").await.json().await.unwrap();
+    let stored: i64 =
+        sqlx::query_scalar("SELECT sum(bytes)::bigint FROM export_shards").fetch_one(&app.pool).await.unwrap();
+    assert_eq!(usage["usage"]["stored_bytes"], stored);
+    assert_eq!(usage["usage"]["egress_bytes_today"], body.len());
+    assert_eq!(usage["usage"]["rows_exported_today"], 120);
+    assert_eq!(usage["queue"]["states"]["SUCCEEDED"], 2);
+
+    app.client.delete(app.url(&format!("/v1/exports/{id}"))).bearer_auth(&admin).send().await.unwrap();
+    let usage: serde_json::Value = app.get(Some(&admin), "/v1/usage").await.json().await.unwrap();
+    let left: i64 = sqlx::query_scalar("SELECT coalesce(sum(s.bytes), 0)::bigint FROM export_shards s JOIN export_jobs j ON j.id = s.export_id WHERE j.state = 'SUCCEEDED'")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(usage["usage"]["stored_bytes"], left, "the revoked export's bytes are released");
+    assert!(left < stored);
+    assert_eq!(app.get(Some(&app.token("acme", "zenpartner")), "/v1/usage").await.status(), 403);
+}

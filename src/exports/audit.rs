@@ -19,13 +19,15 @@ pub struct AuditEvent<'a> {
     pub byte_range: Option<String>,
     pub status: Option<u16>,
     pub address: Option<String>,
+    /// Bytes sent (downloads).
+    pub bytes: Option<u64>,
 }
 
 /// Appends an event. A failure is logged, not raised: the audited action already happened.
 pub async fn record(pool: &PgPool, event: AuditEvent<'_>) {
     let result = sqlx::query(
-        "INSERT INTO audit_log (tenant, principal, action, export_id, object, byte_range, status, address)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        "INSERT INTO audit_log (tenant, principal, action, export_id, object, byte_range, status, address, bytes)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
     )
     .bind(event.tenant)
     .bind(event.principal)
@@ -35,6 +37,7 @@ pub async fn record(pool: &PgPool, event: AuditEvent<'_>) {
     .bind(&event.byte_range)
     .bind(event.status.map(i32::from))
     .bind(&event.address)
+    .bind(event.bytes.map(|b| b as i64))
     .execute(pool)
     .await;
     if let Err(e) = result {

@@ -133,6 +133,11 @@ async fn serve(
             byte_range,
             status: Some(response.status().as_u16()),
             address: Some(peer.ip().to_string()),
+            bytes: match answer {
+                RangeAnswer::Full => Some(len),
+                RangeAnswer::Partial { start, end } => Some(end - start + 1),
+                RangeAnswer::Unsatisfiable => Some(0),
+            },
         };
         audit::record(&state.pool, event).await;
     }

@@ -11,6 +11,7 @@ mod openapi;
 mod range;
 mod records;
 mod state;
+mod usage;
 
 use std::net::SocketAddr;
 use std::time::Duration;

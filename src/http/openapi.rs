@@ -5,7 +5,7 @@ use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 
 use super::state::AppState;
-use super::{audit, downloads, exports, feeds, health, records};
+use super::{audit, downloads, exports, feeds, health, records, usage};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -34,4 +34,5 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .merge(downloads::router())
         .merge(audit::router())
         .merge(feeds::router())
+        .merge(usage::router())
 }

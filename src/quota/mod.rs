@@ -1,5 +1,9 @@
 //! Per-tenant API rate limits with `governor`: one keyed limiter per tenant (its own quota), keyed
-//! by the tenant for admins and by tenant + principal for partners.
+//! by the tenant for admins and by tenant + principal for partners; and the usage report.
+
+mod usage;
+
+pub use usage::{Counters, Queue, Usage, usage};
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;

@@ -1,0 +1,106 @@
+//! A tenant's usage next to its limits, read from the durable records.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use sqlx::PgPool;
+use time::OffsetDateTime;
+
+use crate::tenants::{Quota, Tenant};
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Usage {
+    pub tenant: String,
+    #[schema(value_type = Object)]
+    pub limits: Quota,
+    pub usage: Counters,
+    pub queue: Queue,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Counters {
+    pub running_exports: i64,
+    pub queued_exports: i64,
+    /// Bytes of export files currently stored (published exports and shards being written).
+    pub stored_bytes: i64,
+    /// Bytes sent by downloads since midnight UTC.
+    pub egress_bytes_today: i64,
+    /// Rows of exports that succeeded since midnight UTC.
+    pub rows_exported_today: i64,
+    pub rate_limited_requests: i64,
+    pub quota_rejections: i64,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Queue {
+    pub oldest_queued_age_seconds: Option<i64>,
+    pub oldest_running_age_seconds: Option<i64>,
+    /// Exports per state.
+    pub states: BTreeMap<String, i64>,
+}
+
+pub async fn usage(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sqlx::Result<Usage> {
+    let id = tenant.id.as_str();
+    let midnight = now.replace_time(time::Time::MIDNIGHT);
+    let states: BTreeMap<String, i64> =
+        sqlx::query_as::<_, (String, i64)>("SELECT state, count(*) FROM export_jobs WHERE tenant = $1 GROUP BY state")
+            .bind(id)
+            .fetch_all(pool)
+            .await?
+            .into_iter()
+            .collect();
+    let (oldest_queued, oldest_running): (Option<OffsetDateTime>, Option<OffsetDateTime>) = sqlx::query_as(
+        "SELECT min(created_at) FILTER (WHERE state = 'QUEUED'), min(started_at) FILTER (WHERE state = 'RUNNING')
+         FROM export_jobs WHERE tenant = $1",
+    )
+    .bind(id)
+    .fetch_one(pool)
+    .await?;
+    let stored_bytes: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(s.bytes), 0)::bigint FROM export_shards s JOIN export_jobs j ON j.id = s.export_id
+         WHERE j.tenant = $1 AND j.files_deleted_at IS NULL",
+    )
+    .bind(id)
+    .fetch_one(pool)
+    .await?;
+    let egress: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(bytes), 0)::bigint FROM audit_log WHERE tenant = $1 AND action = 'downloaded' AND at >= $2",
+    )
+    .bind(id)
+    .bind(midnight)
+    .fetch_one(pool)
+    .await?;
+    let rows_today: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(rows_done), 0)::bigint FROM export_jobs WHERE tenant = $1 AND state IN ('SUCCEEDED', 'EXPIRED', 'REVOKED')
+           AND finished_at >= $2",
+    )
+    .bind(id)
+    .bind(midnight)
+    .fetch_one(pool)
+    .await?;
+    let (rate_limited, quota_rejections): (i64, i64) = sqlx::query_as(
+        "SELECT coalesce(max(rate_limited), 0), coalesce(max(quota_rejections), 0) FROM tenant_usage WHERE tenant = $1",
+    )
+    .bind(id)
+    .fetch_one(pool)
+    .await?;
+    let age = |at: Option<OffsetDateTime>| at.map(|at| (now - at).whole_seconds().max(0));
+    Ok(Usage {
+        tenant: id.to_owned(),
+        limits: tenant.quota.clone(),
+        usage: Counters {
+            running_exports: states.get("RUNNING").copied().unwrap_or(0),
+            queued_exports: states.get("QUEUED").copied().unwrap_or(0),
+            stored_bytes,
+            egress_bytes_today: egress,
+            rows_exported_today: rows_today,
+            rate_limited_requests: rate_limited,
+            quota_rejections,
+        },
+        queue: Queue {
+            oldest_queued_age_seconds: age(oldest_queued),
+            oldest_running_age_seconds: age(oldest_running),
+            states,
+        },
+    })
+}
