@@ -132,3 +132,46 @@ async fn usage_shows_limits_counts_and_released_storage(pool: PgPool) {
     assert!(left < stored);
     assert_eq!(app.get(Some(&app.token("acme", "zenpartner")), "/v1/usage").await.status(), 403);
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn an_export_past_the_storage_quota_fails_and_frees_its_shards(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("hooli", "tickets", 600).await; // storage_bytes = 20 000: a few shards only
+    let admin = app.token("hooli", "gavin");
+    let id = app.export(&admin, &json!({"dataset": "tickets", "format": "csv", "shard_rows": 100})).await;
+    assert_eq!(app.drain().await, vec![exportd::jobs::Step::Failed { code: "storage-quota-exceeded".into() }]);
+    let status: serde_json::Value = app.get(Some(&admin), &format!("/v1/exports/{id}")).await.json().await.unwrap();
+    assert_eq!(status["error"]["code"], "storage-quota-exceeded");
+    assert!(!app.data_dir.path().join(format!("objects/hooli/{id}")).exists());
+    let usage: serde_json::Value = app.get(Some(&admin), "/v1/usage").await.json().await.unwrap();
+    assert_eq!(usage["usage"]["stored_bytes"], 0);
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn downloads_past_the_daily_egress_quota_get_429_until_midnight(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("hooli", "tickets", 60).await;
+    let admin = app.token("hooli", "gavin");
+    let id = app.export(&admin, &json!({"dataset": "tickets", "format": "csv"})).await;
+    app.drain().await;
+    let path = format!("/v1/exports/{id}/file");
+    let mut served = 0u64;
+    let refused = loop {
+        let response = app.get(Some(&admin), &path).await;
+        if response.status() == 429 {
+            break response;
+        }
+        assert_eq!(response.status(), 200);
+        served += response.bytes().await.unwrap().len() as u64;
+        assert!(served <= 30_000, "served past the quota");
+    };
+    assert!(served > 0);
+    let wait: u64 = refused.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=86_400).contains(&wait));
+    assert_eq!(problem(refused).await["code"], "egress-quota-exceeded");
+    // The next day is a new budget.
+    let usage: serde_json::Value = app.get(Some(&admin), "/v1/usage").await.json().await.unwrap();
+    assert_eq!(usage["usage"]["egress_bytes_today"], served);
+    app.clock.advance(std::time::Duration::from_secs(wait));
+    assert_eq!(app.get(Some(&admin), &path).await.status(), 200);
+}

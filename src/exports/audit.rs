@@ -25,7 +25,14 @@ pub struct AuditEvent<'a> {
 
 /// Appends an event. A failure is logged, not raised: the audited action already happened.
 pub async fn record(pool: &PgPool, event: AuditEvent<'_>) {
-    let result = sqlx::query(
+    if let Err(e) = insert(pool, &event).await {
+        tracing::error!(error = %e, action = event.action, "could not write the audit log");
+    }
+}
+
+/// Inserts an event with `executor` (e.g. inside the transaction that decided it).
+pub async fn insert<'e>(executor: impl sqlx::PgExecutor<'e>, event: &AuditEvent<'_>) -> sqlx::Result<()> {
+    sqlx::query(
         "INSERT INTO audit_log (tenant, principal, action, export_id, object, byte_range, status, address, bytes)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
     )
@@ -38,11 +45,9 @@ pub async fn record(pool: &PgPool, event: AuditEvent<'_>) {
     .bind(event.status.map(i32::from))
     .bind(&event.address)
     .bind(event.bytes.map(|b| b as i64))
-    .execute(pool)
-    .await;
-    if let Err(e) = result {
-        tracing::error!(error = %e, action = event.action, "could not write the audit log");
-    }
+    .execute(executor)
+    .await?;
+    Ok(())
 }
 
 #[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]

@@ -27,6 +27,7 @@ use crate::exports::Segment;
 use crate::exports::audit::{self, AuditEvent};
 use crate::exports::download::{self, Download, Object};
 use crate::links::LinkError;
+use crate::quota;
 use crate::storage::ArtifactStore;
 
 const READ_CHUNK: usize = 64 * 1024;
@@ -117,31 +118,45 @@ async fn serve(
     let if_range = headers.get(IF_RANGE).and_then(|v| v.to_str().ok());
     let len = download.layout.len();
     let answer = decide(range, if_range, &download.etag, len);
-    let response = respond(&state.store, &download, answer, len);
-    if method != Method::HEAD {
-        let byte_range = match answer {
-            RangeAnswer::Full => None,
-            RangeAnswer::Partial { start, end } => Some(format!("{start}-{end}")),
-            RangeAnswer::Unsatisfiable => range.map(str::to_owned),
-        };
-        let event = AuditEvent {
-            tenant: caller.tenant.id.as_str(),
-            principal: caller.principal.id.as_str(),
-            action: "downloaded",
-            export_id: Some(download.job.id),
-            object: Some(object.name()),
-            byte_range,
-            status: Some(response.status().as_u16()),
-            address: Some(peer.ip().to_string()),
-            bytes: match answer {
-                RangeAnswer::Full => Some(len),
-                RangeAnswer::Partial { start, end } => Some(end - start + 1),
-                RangeAnswer::Unsatisfiable => Some(0),
-            },
-        };
-        audit::record(&state.pool, event).await;
+    let byte_range = match answer {
+        RangeAnswer::Full => None,
+        RangeAnswer::Partial { start, end } => Some(format!("{start}-{end}")),
+        RangeAnswer::Unsatisfiable => range.map(str::to_owned),
+    };
+    let (status, bytes) = match answer {
+        RangeAnswer::Full => (StatusCode::OK, len),
+        RangeAnswer::Partial { start, end } => (StatusCode::PARTIAL_CONTENT, end - start + 1),
+        RangeAnswer::Unsatisfiable => (StatusCode::RANGE_NOT_SATISFIABLE, 0),
+    };
+    let event = |status: StatusCode, bytes: u64| AuditEvent {
+        tenant: caller.tenant.id.as_str(),
+        principal: caller.principal.id.as_str(),
+        action: "downloaded",
+        export_id: Some(download.job.id),
+        object: Some(object.name()),
+        byte_range: byte_range.clone(),
+        status: Some(status.as_u16()),
+        address: Some(peer.ip().to_string()),
+        bytes: Some(bytes),
+    };
+    if method == Method::HEAD {
+        return respond(&state.store, &download, answer, len);
     }
-    response
+    // The download is admitted, and its bytes recorded, within today's egress quota.
+    match quota::admit_download(&state.pool, &caller.tenant, event(status, bytes), state.clock.now()).await {
+        Ok(Ok(())) => respond(&state.store, &download, answer, len),
+        Ok(Err(wait)) => {
+            audit::record(&state.pool, event(StatusCode::TOO_MANY_REQUESTS, 0)).await;
+            let mut e = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "egress-quota-exceeded",
+                "the tenant's egress_bytes_per_day is used up; it resets at midnight UTC",
+            );
+            e.retry_after_seconds = Some(wait.as_secs());
+            e.into_response()
+        }
+        Err(e) => ApiError::internal(e).into_response(),
+    }
 }
 
 /// A link is the caller's credential: its signature and expiry, its binding to this export and

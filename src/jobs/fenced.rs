@@ -115,9 +115,49 @@ pub async fn heartbeat(pool: &PgPool, lease: Lease, ttl: Duration) -> sqlx::Resu
     Ok(state.and_then(|s| ExportState::parse(&s)).ok_or(LeaseLost))
 }
 
-/// Records a shard file and advances progress, in one statement, only while the job is
-/// RUNNING under this lease. Re-recording a shard (a rewritten file) updates its object key.
-pub async fn record_shard(pool: &PgPool, lease: Lease, shard: &ShardRecord) -> sqlx::Result<Result<(), LeaseLost>> {
+/// Why a checkpoint was not recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    LeaseLost,
+    /// The tenant's stored files plus this shard would exceed `storage_bytes`.
+    StorageQuota {
+        stored: u64,
+        limit: u64,
+    },
+}
+
+/// Records a shard file and advances progress, only while the job is RUNNING under this lease
+/// and the tenant's stored bytes stay within `storage_limit`. The tenant's usage row is locked
+/// first, so concurrent workers count one after another; stored bytes are summed from the
+/// checkpoints themselves, so a rewritten shard or a retried attempt is never charged twice.
+pub async fn record_shard(
+    pool: &PgPool,
+    lease: Lease,
+    tenant: &str,
+    storage_limit: u64,
+    shard: &ShardRecord,
+) -> sqlx::Result<Result<(), Refused>> {
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "INSERT INTO tenant_usage (tenant) VALUES ($1)
+         ON CONFLICT ON CONSTRAINT tenant_usage_pkey DO UPDATE SET tenant = EXCLUDED.tenant",
+    )
+    .bind(tenant)
+    .execute(&mut *tx)
+    .await?;
+    let stored: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(s.bytes), 0)::bigint FROM export_shards s JOIN export_jobs j ON j.id = s.export_id
+         WHERE j.tenant = $1 AND j.files_deleted_at IS NULL AND NOT (s.export_id = $2 AND s.shard_index = $3)",
+    )
+    .bind(tenant)
+    .bind(lease.job_id)
+    .bind(shard.shard_index)
+    .fetch_one(&mut *tx)
+    .await?;
+    let stored = stored as u64 + shard.bytes as u64;
+    if stored > storage_limit {
+        return Ok(Err(Refused::StorageQuota { stored, limit: storage_limit }));
+    }
     let recorded: Option<i32> = sqlx::query_scalar(
         "WITH fenced AS (
              UPDATE export_jobs SET
@@ -147,9 +187,13 @@ pub async fn record_shard(pool: &PgPool, lease: Lease, shard: &ShardRecord) -> s
     .bind(shard.body_bytes)
     .bind(shard.body_crc32)
     .bind(shard.body_raw_bytes)
-    .fetch_optional(pool)
+    .fetch_optional(&mut *tx)
     .await?;
-    Ok(recorded.map(|_| ()).ok_or(LeaseLost))
+    if recorded.is_none() {
+        return Ok(Err(Refused::LeaseLost));
+    }
+    tx.commit().await?;
+    Ok(Ok(()))
 }
 
 /// What publishing records besides the state.

@@ -8,7 +8,7 @@ use anyhow::Context;
 use serde_json::Value;
 
 use super::WorkerDeps;
-use super::fenced::{self, Lease, LeaseLost, Publication};
+use super::fenced::{self, Lease, LeaseLost, Publication, Refused};
 use super::shard::{self, ShardJob, ShardStop};
 use super::source::Source;
 use crate::exports::{
@@ -352,9 +352,9 @@ impl ClaimedExport {
             return self.fail("non-deterministic-output", &detail).await;
         }
         let rewritten = ShardRecord { object_key: written.object_key.as_str().to_owned(), ..checkpoint.clone() };
-        if fenced::record_shard(&self.deps.pool, self.lease, &rewritten).await?.is_err() {
+        if let Err(refused) = self.record(&rewritten).await? {
             self.deps.store.delete(&written.object_key)?;
-            return self.after_refused_write().await;
+            return self.refused(refused).await;
         }
         if checkpoint.object_key != rewritten.object_key {
             self.deps.store.delete(&ObjectKey::parse(&checkpoint.object_key).map_err(anyhow::Error::msg)?)?;
@@ -401,9 +401,9 @@ impl ClaimedExport {
             body_crc32: i64::from(digest.body.crc32),
             body_raw_bytes: digest.body.raw_len as i64,
         };
-        if fenced::record_shard(&self.deps.pool, self.lease, &checkpoint).await?.is_err() {
+        if let Err(refused) = self.record(&checkpoint).await? {
             self.deps.store.delete(&written.object_key)?;
-            return self.after_refused_write().await;
+            return self.refused(refused).await;
         }
         let rows = checkpoint.rows as u64;
         let last = rows < self.plan.shard_rows;
@@ -487,6 +487,23 @@ impl ClaimedExport {
             total_bytes: shards.iter().map(|s| s.bytes).sum(),
             file,
             shards,
+        }
+    }
+
+    async fn record(&self, shard: &ShardRecord) -> anyhow::Result<Result<(), Refused>> {
+        let limit = self.deps.registry.get(&self.job.tenant).map_or(0, |t| t.quota.storage_bytes);
+        Ok(fenced::record_shard(&self.deps.pool, self.lease, &self.job.tenant, limit, shard).await?)
+    }
+
+    async fn refused(&mut self, refused: Refused) -> anyhow::Result<Step> {
+        match refused {
+            Refused::LeaseLost => self.after_refused_write().await,
+            Refused::StorageQuota { stored, limit } => {
+                let detail = format!(
+                    "the tenant's stored export files would reach {stored} bytes (quota storage_bytes = {limit})"
+                );
+                self.fail("storage-quota-exceeded", &detail).await
+            }
         }
     }
 

@@ -1,8 +1,10 @@
 //! Per-tenant API rate limits with `governor`: one keyed limiter per tenant (its own quota), keyed
 //! by the tenant for admins and by tenant + principal for partners; and the usage report.
 
+mod egress;
 mod usage;
 
+pub use egress::admit_download;
 pub use usage::{Counters, Queue, Usage, usage};
 
 use std::collections::HashMap;
