@@ -36,6 +36,9 @@ enum Command {
         /// How often the cleaner expires exports and removes unneeded files.
         #[arg(long, env = "EXPORTD_CLEAN_EVERY", default_value = "1m", value_parser = humantime::parse_duration)]
         clean_every: Duration,
+        /// When set, `GET /metrics` requires `Authorization: Bearer <token>`.
+        #[arg(long, env = "EXPORTD_METRICS_TOKEN", hide_env_values = true)]
+        metrics_token: Option<String>,
     },
     /// Run export workers only (scale out: any number of processes on any machines).
     Worker {
@@ -129,8 +132,8 @@ async fn main() -> anyhow::Result<()> {
     exportd::telemetry::init();
     let settings = cli.settings;
     match cli.command {
-        Command::Serve { listen, workers, link_ttl, clean_every } => {
-            let options = ServeOptions { listen, workers, link_ttl, clean_every };
+        Command::Serve { listen, workers, link_ttl, clean_every, metrics_token } => {
+            let options = ServeOptions { listen, workers, link_ttl, clean_every, metrics_token };
             exportd::server::serve(&settings, options).await
         }
         Command::Worker { workers, exit_when_idle } => exportd::server::work(&settings, workers, exit_when_idle).await,

@@ -44,11 +44,13 @@ pub struct ServeOptions {
     pub workers: usize,
     pub link_ttl: Duration,
     pub clean_every: Duration,
+    pub metrics_token: Option<String>,
 }
 
 /// `exportd serve`: the HTTP API, `workers` in-process workers and the cleaner, until SIGINT or
 /// SIGTERM.
 pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result<()> {
+    crate::telemetry::prometheus();
     let (pool, registry) = prepare(settings, 16 + options.workers as u32).await?;
     let deps = worker_deps(settings, pool.clone(), registry.clone())?;
     let listener =
@@ -69,6 +71,7 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
         clock,
         link_ttl: options.link_ttl,
         limits: limits.clone(),
+        metrics_token: options.metrics_token.clone(),
     };
     let mut http_shutdown = shutdown.clone();
     let stopped = async move {

@@ -13,3 +13,15 @@ pub fn init() {
         .with_writer(std::io::stderr)
         .init();
 }
+
+/// The process's Prometheus recorder, installed on first use (the recorder is global).
+pub fn prometheus() -> &'static metrics_exporter_prometheus::PrometheusHandle {
+    static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> = std::sync::OnceLock::new();
+    HANDLE.get_or_init(|| {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .set_buckets(&[0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0])
+            .expect("static buckets")
+            .install_recorder()
+            .expect("no other metrics recorder is installed")
+    })
+}

@@ -175,3 +175,34 @@ async fn downloads_past_the_daily_egress_quota_get_429_until_midnight(pool: PgPo
     app.clock.advance(std::time::Duration::from_secs(wait));
     assert_eq!(app.get(Some(&admin), &path).await.status(), 200);
 }
+
+/// The value of a metric line `name{labels} value` in Prometheus text.
+fn metric(text: &str, name_and_labels: &str) -> Option<f64> {
+    text.lines().find(|l| l.starts_with(name_and_labels)).and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn metrics_report_jobs_shards_downloads_and_rejections(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 30).await;
+    let admin = app.token("acme", "alice");
+    let id = app.export(&admin, &json!({"dataset": "tickets", "format": "csv", "shard_rows": 10})).await;
+    app.export(&admin, &json!({"dataset": "contacts", "format": "csv"})).await;
+    let before = app.get(None, "/metrics").await.text().await.unwrap();
+    assert_eq!(metric(&before, r#"exportd_exports{tenant="acme",state="QUEUED"}"#), Some(2.0), "{before}");
+    assert!(metric(&before, r#"exportd_export_oldest_age_seconds{tenant="acme",state="QUEUED"}"#).is_some());
+    let written_before = metric(&before, "exportd_shards_written_total").unwrap_or(0.0);
+
+    app.drain().await;
+    app.get(Some(&admin), &format!("/v1/exports/{id}/file")).await.bytes().await.unwrap();
+    let response = app.get(None, "/metrics").await;
+    assert_eq!(response.headers()["content-type"], "text/plain; version=0.0.4");
+    let after = response.text().await.unwrap();
+    assert_eq!(metric(&after, r#"exportd_exports{tenant="acme",state="SUCCEEDED"}"#), Some(2.0));
+    assert_eq!(metric(&after, r#"exportd_exports{tenant="acme",state="QUEUED"}"#), Some(0.0));
+    assert!(metric(&after, "exportd_shards_written_total").unwrap() >= written_before + 4.0);
+    assert!(after.contains("exportd_export_duration_seconds_bucket"), "{after}");
+    assert!(metric(&after, r#"exportd_downloads_total{status="200"}"#).unwrap() >= 1.0);
+    assert!(after.contains(r#"exportd_egress_bytes_total{tenant="acme"}"#));
+    assert!(!after.contains("tickets-0000"), "no record data in metrics");
+}

@@ -144,8 +144,14 @@ async fn serve(
     }
     // The download is admitted, and its bytes recorded, within today's egress quota.
     match quota::admit_download(&state.pool, &caller.tenant, event(status, bytes), state.clock.now()).await {
-        Ok(Ok(())) => respond(&state.store, &download, answer, len),
+        Ok(Ok(())) => {
+            metrics::counter!("exportd_downloads_total", "status" => status.as_str().to_owned()).increment(1);
+            metrics::counter!("exportd_egress_bytes_total", "tenant" => caller.tenant.id.to_string()).increment(bytes);
+            respond(&state.store, &download, answer, len)
+        }
         Ok(Err(wait)) => {
+            metrics::counter!("exportd_downloads_total", "status" => "429").increment(1);
+            metrics::counter!("exportd_quota_rejections_total", "kind" => "egress").increment(1);
             audit::record(&state.pool, event(StatusCode::TOO_MANY_REQUESTS, 0)).await;
             let mut e = ApiError::new(
                 StatusCode::TOO_MANY_REQUESTS,

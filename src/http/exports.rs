@@ -162,7 +162,16 @@ async fn create_export(
     let key = idempotency_key(&headers)?;
     let cluster = crate::feeds::system_identifier(&state.pool).await?;
     let feed = FeedContext { keys: &state.links, cluster: &cluster, now: state.clock.now() };
-    let created = exports::create(&state.pool, &caller, &key, &request, &feed).await?;
+    let created = exports::create(&state.pool, &caller, &key, &request, &feed).await.inspect_err(|e| match e {
+        ExportError::IdempotencyKeyReused => metrics::counter!("exportd_idempotency_conflicts_total").increment(1),
+        ExportError::QuotaExceeded { .. } => {
+            metrics::counter!("exportd_quota_rejections_total", "kind" => "queued").increment(1)
+        }
+        _ => {}
+    })?;
+    if created.replayed {
+        metrics::counter!("exportd_idempotency_replays_total").increment(1);
+    }
     let job = created.job;
     if !created.replayed {
         audit::record(&state.pool, event(&caller, "created", job.id)).await;

@@ -17,6 +17,7 @@ impl FromRequestParts<AppState> for Caller {
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
         let caller = caller_from_headers(state, &parts.headers)?;
         if let Err(wait) = state.limits.check_api(&caller) {
+            metrics::counter!("exportd_quota_rejections_total", "kind" => "rate").increment(1);
             count_rate_limited(state, caller.tenant.id.as_str());
             let mut e = ApiError::new(
                 StatusCode::TOO_MANY_REQUESTS,

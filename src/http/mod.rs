@@ -7,6 +7,7 @@ mod exports;
 mod extract;
 mod feeds;
 mod health;
+mod metrics;
 mod openapi;
 mod range;
 mod records;
@@ -48,6 +49,7 @@ pub fn app(state: AppState) -> Router {
             move || async move { ([(axum::http::header::CONTENT_TYPE, "application/json")], openapi_json) },
         ),
     )
+    .route("/metrics", axum::routing::get(metrics::metrics))
     .fallback(error::fallback)
     .with_state(state)
     // Router::layer: the last added is the outermost.

@@ -21,4 +21,6 @@ pub struct AppState {
     /// Lifetime of the signed download links in export status responses.
     pub link_ttl: Duration,
     pub limits: Arc<RateLimits>,
+    /// When set, `GET /metrics` requires `Authorization: Bearer <token>`.
+    pub metrics_token: Option<String>,
 }

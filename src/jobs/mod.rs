@@ -80,6 +80,7 @@ pub async fn run_next_job(
             return Ok(Outcome::Ran(Step::Released));
         }
         let step = run.step().await?;
+        count(&step);
         if step.is_final() {
             return Ok(Outcome::Ran(step));
         }
@@ -88,6 +89,27 @@ pub async fn run_next_job(
             return Ok(Outcome::Ran(Step::Yielded));
         }
     }
+}
+
+/// Counts what workers do, for `/metrics`.
+fn count(step: &Step) {
+    let name = match step {
+        Step::ShardWritten { .. } => "exportd_shards_written_total",
+        Step::ShardVerified { .. } => "exportd_shards_skipped_total",
+        Step::ShardRewritten { .. } => "exportd_shards_rewritten_total",
+        other => {
+            let outcome = match other {
+                Step::Published => "published",
+                Step::Cancelled => "cancelled",
+                Step::Failed { .. } => "failed",
+                Step::LeaseLost => "lease_lost",
+                _ => "released",
+            };
+            metrics::counter!("exportd_export_runs_total", "outcome" => outcome).increment(1);
+            return;
+        }
+    };
+    metrics::counter!(name).increment(1);
 }
 
 /// Runs jobs until every job is done, then returns how each run ended (yields left out)

@@ -199,6 +199,9 @@ impl ClaimedExport {
             return Ok(None);
         };
         let lease = Lease { job_id: job.id, generation: job.lease_generation };
+        if !was_yielded && job.attempts > 1 && job.state == ExportState::Running {
+            metrics::counter!("exportd_lease_takeovers_total").increment(1);
+        }
         tracing::info!(export = %job.id, tenant = %job.tenant, generation = lease.generation, attempt = job.attempts, "claimed export");
         let plan = Plan::from_job(&job)?;
         let checkpoints = exports::shards(&deps.pool, job.id).await?;
@@ -448,6 +451,10 @@ impl ClaimedExport {
         };
         match fenced::publish(&self.deps.pool, self.lease, &publication).await? {
             Ok(()) => {
+                let started = self.job.started_at.unwrap_or(self.job.created_at);
+                let seconds = (time::OffsetDateTime::now_utc() - started).as_seconds_f64().max(0.0);
+                metrics::histogram!("exportd_export_duration_seconds", "tenant" => self.job.tenant.clone())
+                    .record(seconds);
                 tracing::info!(export = %self.job.id, rows = manifest.total_rows, shards = self.checkpoints.len(), "published export");
                 Ok(Step::Published)
             }
@@ -499,6 +506,7 @@ impl ClaimedExport {
         match refused {
             Refused::LeaseLost => self.after_refused_write().await,
             Refused::StorageQuota { stored, limit } => {
+                metrics::counter!("exportd_quota_rejections_total", "kind" => "storage").increment(1);
                 let detail = format!(
                     "the tenant's stored export files would reach {stored} bytes (quota storage_bytes = {limit})"
                 );

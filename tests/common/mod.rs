@@ -49,6 +49,7 @@ pub const LINK_KEYS: &str =
 
 impl TestApp {
     pub async fn spawn(pool: PgPool) -> TestApp {
+        exportd::telemetry::prometheus();
         let registry = prepare_db(&pool).await;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().unwrap();
@@ -62,6 +63,7 @@ impl TestApp {
             clock: clock.clone(),
             link_ttl: Duration::from_secs(300),
             limits: Arc::new(RateLimits::new(&registry)),
+            metrics_token: None,
         };
         tokio::spawn(http::serve(listener, http::app(state), std::future::pending(), Duration::from_secs(1)));
         TestApp { addr, pool, registry, client: reqwest::Client::new(), data_dir, clock }
@@ -176,6 +178,7 @@ impl TestApp {
         let state = AppState {
             pool: self.pool.clone(),
             limits: Arc::new(RateLimits::new(&registry)),
+            metrics_token: None,
             registry,
             store: ArtifactStore::open(self.data_dir.path()).expect("artifact store"),
             links: Arc::new(LinkKeys::parse(LINK_KEYS).unwrap()),

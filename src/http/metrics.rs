@@ -1,0 +1,44 @@
+//! `GET /metrics`: Prometheus text format. Export counts and oldest ages per tenant and state are
+//! read from PostgreSQL at scrape time (every process reports the same, shared truth); counters
+//! and histograms are this process's. Optionally guarded by `EXPORTD_METRICS_TOKEN`.
+
+use axum::extract::State;
+use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use subtle::ConstantTimeEq;
+use time::OffsetDateTime;
+
+use super::error::{ApiError, ApiResult};
+use super::state::AppState;
+use crate::exports::ExportState;
+
+pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<impl IntoResponse> {
+    if let Some(expected) = &state.metrics_token {
+        let given = headers.get(AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        let matches = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(expected.as_bytes())));
+        if !matches {
+            return Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "give the metrics token"));
+        }
+    }
+    let rows: Vec<(String, String, i64, Option<OffsetDateTime>)> = sqlx::query_as(
+        "SELECT tenant, state, count(*), min(coalesce(started_at, created_at)) FROM export_jobs GROUP BY tenant, state",
+    )
+    .fetch_all(&state.pool)
+    .await?;
+    let now = OffsetDateTime::now_utc();
+    for tenant in state.registry.tenants() {
+        for export_state in ExportState::ALL {
+            let row = rows.iter().find(|r| r.0 == tenant.id.as_str() && r.1 == export_state.as_str());
+            let labels = [("tenant", tenant.id.to_string()), ("state", export_state.as_str().to_owned())];
+            metrics::gauge!("exportd_exports", &labels).set(row.map_or(0.0, |r| r.2 as f64));
+            if !export_state.is_terminal() {
+                let age = row.and_then(|r| r.3).map_or(0.0, |at| (now - at).as_seconds_f64().max(0.0));
+                metrics::gauge!("exportd_export_oldest_age_seconds", &labels).set(age);
+            }
+        }
+    }
+    let handle = crate::telemetry::prometheus();
+    handle.run_upkeep();
+    Ok(([(CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()))
+}
