@@ -16,7 +16,7 @@ use crate::feeds;
 use crate::http::{self, AppState};
 use crate::jobs::{self, WorkerConfig, WorkerDeps};
 use crate::links::LinkKeys;
-use crate::quota::RateLimits;
+use crate::quota::{RateLimits, ScanLimits};
 use crate::storage::ArtifactStore;
 use crate::tenants::Registry;
 
@@ -135,7 +135,8 @@ fn worker_deps(settings: &Settings, pool: PgPool, registry: Arc<Registry>) -> an
     let store = ArtifactStore::open(&settings.data_dir)
         .with_context(|| format!("opening the artifact store in {}", settings.data_dir.display()))?;
     let keys = Arc::new(server_keys(settings)?);
-    Ok(WorkerDeps { pool, registry, store, keys, config: WorkerConfig::default() })
+    let scan = Arc::new(ScanLimits::new(&registry));
+    Ok(WorkerDeps { pool, registry, store, keys, scan, config: WorkerConfig::default() })
 }
 
 /// The keys that sign links and cursors.

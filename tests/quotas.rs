@@ -206,3 +206,16 @@ async fn metrics_report_jobs_shards_downloads_and_rejections(pool: PgPool) {
     assert!(after.contains(r#"exportd_egress_bytes_total{tenant="acme"}"#));
     assert!(!after.contains("tickets-0000"), "no record data in metrics");
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_tenant_cannot_scan_faster_than_its_rate(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("initech", "tickets", 600).await; // scan_rows_per_second = 200, one second of burst
+    let id = app.export(&app.token("initech", "bill"), &json!({"dataset": "tickets", "format": "csv"})).await;
+    let started = std::time::Instant::now();
+    assert_eq!(app.drain().await, vec![exportd::jobs::Step::Published]);
+    let elapsed = started.elapsed().as_secs_f64();
+    // 200 rows of burst, then 400 rows at 200 rows/s.
+    assert!(elapsed >= 1.9, "600 rows scanned in {elapsed:.2} s at 200 rows/s");
+    assert_eq!(app.state(&id).await, "SUCCEEDED");
+}

@@ -17,6 +17,7 @@ pub use fenced::{Lease, LeaseLost};
 pub use runner::{ClaimedExport, Step};
 
 use crate::links::LinkKeys;
+use crate::quota::ScanLimits;
 use crate::storage::ArtifactStore;
 use crate::tenants::Registry;
 
@@ -54,6 +55,8 @@ pub struct WorkerDeps {
     pub store: ArtifactStore,
     /// Server keys: sign the `next_cursor` in manifests.
     pub keys: Arc<LinkKeys>,
+    /// Rows per second each tenant's exports may read.
+    pub scan: Arc<ScanLimits>,
     pub config: WorkerConfig,
 }
 

@@ -320,6 +320,8 @@ impl ClaimedExport {
             rows_allowed,
             is_first: index == 0,
             object_key: self.object_key(index),
+            scan: &self.deps.scan,
+            tenant: &self.job.tenant,
         }
     }
 

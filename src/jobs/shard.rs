@@ -9,6 +9,7 @@ use anyhow::Context;
 use tokio::sync::mpsc;
 
 use super::source::Source;
+use crate::quota::ScanLimits;
 use crate::records::Record;
 use crate::storage::{ArtifactStore, ObjectKey};
 use crate::writers::{Format, OutputColumn, ShardDigest, ShardWriter};
@@ -49,6 +50,8 @@ pub struct ShardJob<'a> {
     pub rows_allowed: u64,
     pub is_first: bool,
     pub object_key: ObjectKey,
+    pub scan: &'a ScanLimits,
+    pub tenant: &'a str,
 }
 
 /// Writes one shard. `keep_going` is called between pages (heartbeats); `false` stops.
@@ -62,6 +65,7 @@ where
     Fut: std::future::Future<Output = anyhow::Result<bool>>,
 {
     let mut limit = job.page_rows.min(job.shard_rows) as i64;
+    job.scan.acquire(job.tenant, limit as u64).await;
     let mut page = job.source.page(pool, job.after.as_deref(), limit).await.context("reading records")?;
     if page.rows.is_empty() && page.exhausted && !job.is_first {
         return Ok(Err(ShardStop::NoRows));
@@ -88,6 +92,7 @@ where
             break Some(ShardStop::Interrupted);
         }
         limit = job.page_rows.min(job.shard_rows - rows) as i64;
+        job.scan.acquire(job.tenant, limit as u64).await;
         page = job.source.page(pool, last_key.as_deref(), limit).await.context("reading records")?;
     };
     drop(pages);

@@ -2,9 +2,11 @@
 //! by the tenant for admins and by tenant + principal for partners; and the usage report.
 
 mod egress;
+mod scan;
 mod usage;
 
 pub use egress::admit_download;
+pub use scan::ScanLimits;
 pub use usage::{Counters, Queue, Usage, usage};
 
 use std::collections::HashMap;

@@ -12,7 +12,7 @@ use exportd::clock::Clock;
 use exportd::http::{self, AppState};
 use exportd::jobs::{Step, WorkerConfig, WorkerDeps};
 use exportd::links::LinkKeys;
-use exportd::quota::RateLimits;
+use exportd::quota::{RateLimits, ScanLimits};
 use exportd::storage::ArtifactStore;
 use exportd::tenants::{Registry, Tenant};
 use serde_json::Value;
@@ -78,9 +78,10 @@ impl TestApp {
     pub fn deps_with(&self, registry: Arc<Registry>, data_dir: &Path) -> WorkerDeps {
         WorkerDeps {
             pool: self.pool.clone(),
-            registry,
             store: ArtifactStore::open(data_dir).expect("artifact store"),
             keys: Arc::new(LinkKeys::parse(LINK_KEYS).unwrap()),
+            scan: Arc::new(ScanLimits::new(&registry)),
+            registry,
             config: WorkerConfig { page_rows: 7, ..WorkerConfig::default() },
         }
     }
