@@ -1,6 +1,7 @@
 //! The HTTP API: one file per resource, merged here with the middleware every request passes.
 
 mod audit;
+mod dashboard;
 mod downloads;
 mod error;
 mod exports;
@@ -50,6 +51,7 @@ pub fn app(state: AppState) -> Router {
         ),
     )
     .route("/metrics", axum::routing::get(metrics::metrics))
+    .merge(dashboard::router())
     .fallback(error::fallback)
     .with_state(state)
     // Router::layer: the last added is the outermost.

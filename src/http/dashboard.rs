@@ -1,0 +1,196 @@
+//! `GET /dashboard`: a server-rendered page for tenant admins — usage against limits, queue depth
+//! and ages, recent exports — refreshing itself. No script, no external assets. Sign-in posts a
+//! bearer token once; it is kept in an HttpOnly cookie scoped to the dashboard.
+
+use std::fmt::Write;
+
+use axum::extract::State;
+use axum::http::header::{AUTHORIZATION, CONTENT_SECURITY_POLICY, CONTENT_TYPE, COOKIE, LOCATION, SET_COOKIE};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Form, Router};
+use serde::Deserialize;
+
+use super::state::AppState;
+use crate::auth::{self, Caller};
+use crate::exports::{self, ExportJob};
+use crate::quota::{self, Usage};
+
+const COOKIE_NAME: &str = "exportd_session";
+const CSP: &str = "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'";
+
+pub fn router() -> Router<AppState> {
+    Router::new().route("/dashboard", get(dashboard)).route("/dashboard/signin", post(sign_in))
+}
+
+#[derive(Deserialize)]
+struct SignIn {
+    token: String,
+}
+
+async fn sign_in(State(state): State<AppState>, Form(form): Form<SignIn>) -> Response {
+    match admin(&state, form.token.trim()) {
+        Some(_) => {
+            // Lax, not Strict: the redirect that follows must carry it.
+            let cookie =
+                format!("{COOKIE_NAME}={}; HttpOnly; SameSite=Lax; Path=/dashboard; Max-Age=3600", form.token.trim());
+            let mut response = (StatusCode::SEE_OTHER, [(LOCATION, "/dashboard")]).into_response();
+            if let Ok(value) = HeaderValue::from_str(&cookie) {
+                response.headers_mut().insert(SET_COOKIE, value);
+            }
+            response
+        }
+        None => page(StatusCode::UNAUTHORIZED, &sign_in_form(Some("That token is not a valid tenant admin token."))),
+    }
+}
+
+async fn dashboard(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    let Some(caller) = token(&headers).and_then(|t| admin(&state, t)) else {
+        return page(StatusCode::OK, &sign_in_form(None));
+    };
+    let usage = quota::usage(&state.pool, &caller.tenant, state.clock.now()).await;
+    let recent = exports::list(&state.pool, &caller, None, None, 20).await;
+    match (usage, recent) {
+        (Ok(usage), Ok(recent)) => page(StatusCode::OK, &render(&caller, &usage, &recent.jobs)),
+        _ => page(StatusCode::INTERNAL_SERVER_ERROR, "<p>The dashboard could not be loaded; see the server log.</p>"),
+    }
+}
+
+/// The bearer token from the Authorization header or the session cookie.
+fn token(headers: &HeaderMap) -> Option<&str> {
+    if let Some(bearer) =
+        headers.get(AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "))
+    {
+        return Some(bearer.trim());
+    }
+    headers
+        .get_all(COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .find_map(|c| c.trim().strip_prefix(COOKIE_NAME)?.strip_prefix('='))
+}
+
+fn admin(state: &AppState, token: &str) -> Option<Caller> {
+    auth::authenticate(&state.registry, token).ok().filter(|c| c.principal.is_admin())
+}
+
+fn page(status: StatusCode, body: &str) -> Response {
+    let html = format!(
+        "<!doctype html><html lang=en><head><meta charset=utf-8><meta http-equiv=refresh content=10>\
+         <title>exportd dashboard</title><style>{STYLE}</style></head><body>{body}</body></html>"
+    );
+    let mut response = (status, html).into_response();
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8"));
+    headers.insert(CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
+    response
+}
+
+const STYLE: &str = "body{font:14px system-ui,sans-serif;margin:2em;color:#222}h1{font-size:20px}\
+    .bar{background:#eee;width:320px;height:14px;display:inline-block;vertical-align:middle;margin-right:8px}\
+    .bar>div{background:#3b82f6;height:100%}.bar.full>div{background:#dc2626}\
+    table{border-collapse:collapse}td,th{padding:4px 10px;border-bottom:1px solid #ddd;text-align:left}\
+    .usage td:first-child{width:190px}";
+
+fn sign_in_form(error: Option<&str>) -> String {
+    let error = error.map(|e| format!("<p style=color:#dc2626>{}</p>", escape(e))).unwrap_or_default();
+    format!(
+        "<h1>exportd dashboard</h1>{error}<form method=post action=/dashboard/signin>\
+         <label>Tenant admin bearer token <input name=token type=password size=60 autocomplete=off></label> \
+         <button>Sign in</button></form>"
+    )
+}
+
+fn render(caller: &Caller, usage: &Usage, recent: &[ExportJob]) -> String {
+    let (u, l) = (&usage.usage, &usage.limits);
+    let mut html = format!(
+        "<h1>{} <small>({})</small></h1><h2>Usage against limits</h2><table class=usage>",
+        escape(&caller.tenant.name),
+        escape(caller.tenant.id.as_str())
+    );
+    let rows: [(&str, &str, i64, u64); 4] = [
+        ("Running exports", "running_exports", u.running_exports, u64::from(l.max_running_exports)),
+        ("Queued exports", "queued_exports", u.queued_exports, u64::from(l.max_queued_exports)),
+        ("Stored bytes", "stored_bytes", u.stored_bytes, l.storage_bytes),
+        ("Egress today (bytes)", "egress_bytes_today", u.egress_bytes_today, l.egress_bytes_per_day),
+    ];
+    for (label, key, used, limit) in rows {
+        let percent = if limit == 0 { 100.0 } else { (used as f64 / limit as f64 * 100.0).min(100.0) };
+        let full = if percent >= 100.0 { " full" } else { "" };
+        let _ = write!(
+            html,
+            "<tr><td>{label}</td><td><span class='bar{full}'><div style='width:{percent:.1}%'></div></span>\
+             <span data-metric={key}>{used}</span> / <span data-limit={key}>{limit}</span></td></tr>"
+        );
+    }
+    let _ = write!(
+        html,
+        "<tr><td>Rows exported today</td><td data-metric=rows_exported_today>{}</td></tr>\
+         <tr><td>Rate-limited requests</td><td data-metric=rate_limited_requests>{}</td></tr>\
+         <tr><td>Quota rejections</td><td data-metric=quota_rejections>{}</td></tr></table>",
+        u.rows_exported_today, u.rate_limited_requests, u.quota_rejections
+    );
+    let age = |a: Option<i64>| a.map_or("–".to_owned(), |s| format!("{s} s"));
+    let _ = write!(
+        html,
+        "<h2>Queue</h2><p>Oldest queued: <span data-metric=oldest_queued_age_seconds>{}</span> · oldest running: \
+         <span data-metric=oldest_running_age_seconds>{}</span></p><table><tr>",
+        age(usage.queue.oldest_queued_age_seconds),
+        age(usage.queue.oldest_running_age_seconds)
+    );
+    for (state, count) in &usage.queue.states {
+        let _ = write!(html, "<th>{}</th><td data-state={}>{count}</td>", escape(state), escape(state));
+    }
+    html.push_str("</tr></table><h2>Recent exports</h2><table><tr><th>Export</th><th>Dataset</th><th>State</th><th>Shards</th><th>Rows</th><th>Created</th></tr>");
+    for job in recent {
+        let _ = write!(
+            html,
+            "<tr><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            job.id,
+            escape(&job.dataset),
+            job.state.as_str(),
+            job.shards_done,
+            job.rows_done,
+            job.created_at.format(&time::format_description::well_known::Rfc3339).unwrap_or_default()
+        );
+    }
+    html.push_str("</table><p><small>Refreshes every 10 seconds.</small></p>");
+    html
+}
+
+/// HTML-escapes text for element content and quoted attributes.
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_is_escaped() {
+        assert_eq!(escape("<script>\"x\" & 'y'"), "&lt;script&gt;&quot;x&quot; &amp; &#39;y&#39;");
+    }
+
+    #[test]
+    fn the_token_comes_from_the_header_or_the_cookie() {
+        let mut headers = HeaderMap::new();
+        headers.insert(COOKIE, HeaderValue::from_static("a=b; exportd_session=tok123; c=d"));
+        assert_eq!(token(&headers), Some("tok123"));
+        headers.insert(AUTHORIZATION, HeaderValue::from_static("Bearer other"));
+        assert_eq!(token(&headers), Some("other"));
+    }
+}
