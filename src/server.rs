@@ -20,6 +20,14 @@ use crate::quota::{RateLimits, ScanLimits};
 use crate::storage::ArtifactStore;
 use crate::tenants::Registry;
 
+/// Connections of the API's pool in `serve`.
+const API_CONNECTIONS: u32 = 16;
+
+/// Connections for `workers` export workers: one each, plus the ticker and the cleaner.
+fn worker_connections(workers: usize) -> u32 {
+    workers as u32 + 2
+}
+
 /// How often the feed ticker records a snapshot.
 const TICK_EVERY: Duration = Duration::from_secs(1);
 /// How often `exportd worker` runs the cleaner (`serve` takes `--clean-every`).
@@ -51,8 +59,10 @@ pub struct ServeOptions {
 /// SIGTERM.
 pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result<()> {
     crate::telemetry::prometheus();
-    let (pool, registry) = prepare(settings, 16 + options.workers as u32).await?;
-    let deps = worker_deps(settings, pool.clone(), registry.clone())?;
+    let (pool, registry) = prepare(settings, API_CONNECTIONS).await?;
+    // Exports get a pool of their own: however busy the workers are, API requests keep theirs.
+    let export_pool = db::connect(&settings.database_url, worker_connections(options.workers)).await?;
+    let deps = worker_deps(settings, export_pool.clone(), registry.clone())?;
     let listener =
         tokio::net::TcpListener::bind(options.listen).await.with_context(|| format!("binding {}", options.listen))?;
     tracing::info!(address = %listener.local_addr()?, tenants = registry.tenants().count(), workers = options.workers, "exportd listening");
@@ -80,6 +90,7 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     http::serve(listener, http::app(state), stopped, DRAIN).await?;
     join_workers(handles).await;
     pool.close().await;
+    export_pool.close().await;
     tracing::info!("exportd stopped");
     Ok(())
 }
@@ -105,7 +116,7 @@ fn spawn_cleaner(
 
 /// `exportd worker`: workers only, sharing the jobs with every other process through PostgreSQL.
 pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> anyhow::Result<()> {
-    let (pool, registry) = prepare(settings, 2 + workers as u32).await?;
+    let (pool, registry) = prepare(settings, worker_connections(workers)).await?;
     let deps = worker_deps(settings, pool.clone(), registry)?;
     if exit_when_idle {
         let handles: Vec<_> = (0..workers.max(1))

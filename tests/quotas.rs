@@ -219,3 +219,35 @@ async fn a_tenant_cannot_scan_faster_than_its_rate(pool: PgPool) {
     assert!(elapsed >= 1.9, "600 rows scanned in {elapsed:.2} s at 200 rows/s");
     assert_eq!(app.state(&id).await, "SUCCEEDED");
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_worker_replaced_mid_job_does_not_double_count(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 50).await;
+    let admin = app.token("acme", "alice");
+    let id = app.export(&admin, &json!({"dataset": "tickets", "format": "csv", "shard_rows": 10})).await;
+    let deps = app.deps();
+    let mut doomed = exportd::jobs::ClaimedExport::claim(&deps, "doomed").await.unwrap().unwrap();
+    doomed.step().await.unwrap();
+    doomed.step().await.unwrap();
+    drop(doomed); // the worker process dies holding its lease
+    let usage = || async { app.get(Some(&admin), "/v1/usage").await.json::<serde_json::Value>().await.unwrap() };
+    let during = usage().await;
+    assert_eq!(during["usage"]["running_exports"], 1);
+    let two_shards: i64 =
+        sqlx::query_scalar("SELECT sum(bytes)::bigint FROM export_shards").fetch_one(&app.pool).await.unwrap();
+    assert_eq!(during["usage"]["stored_bytes"], two_shards);
+
+    sqlx::query("UPDATE export_jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1::uuid")
+        .bind(&id)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(app.drain().await, vec![exportd::jobs::Step::Published]);
+    let after = usage().await;
+    let manifest: serde_json::Value =
+        app.get(Some(&admin), &format!("/v1/exports/{id}/manifest")).await.json().await.unwrap();
+    assert_eq!(after["usage"]["running_exports"], 0);
+    assert_eq!(after["usage"]["stored_bytes"], manifest["total_bytes"], "each shard counted once");
+    assert_eq!(after["usage"]["rows_exported_today"], 50);
+}
