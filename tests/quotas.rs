@@ -221,6 +221,37 @@ async fn a_tenant_cannot_scan_faster_than_its_rate(pool: PgPool) {
 }
 
 #[sqlx::test(migrations = "./migrations")]
+async fn while_a_tenant_waits_for_its_scan_rate_the_worker_serves_another(pool: PgPool) {
+    use exportd::jobs::{ClaimedExport, Step};
+    let app = TestApp::spawn(pool).await;
+    app.seed("initech", "tickets", 600).await; // 200 rows/s, one second of burst
+    app.seed("acme", "tickets", 30).await;
+    let slow = app
+        .export(&app.token("initech", "bill"), &json!({"dataset": "tickets", "format": "csv", "shard_rows": 200}))
+        .await;
+    let quick = app
+        .export(&app.token("acme", "alice"), &json!({"dataset": "tickets", "format": "csv", "shard_rows": 100}))
+        .await;
+    let deps = app.deps();
+    let mut run = ClaimedExport::claim(&deps, "w").await.unwrap().unwrap();
+    assert_eq!(run.lease().job_id.to_string(), slow);
+    assert!(matches!(run.step().await.unwrap(), Step::ShardWritten { index: 0, .. }));
+    // Shard 0 took the whole second of burst: shard 1 is not started, and nothing is read.
+    let third = run.step().await.unwrap();
+    let Step::Throttled { wait } = third else { panic!("expected throttling, got {third:?}") };
+    assert!(wait > std::time::Duration::ZERO);
+    let shards: i64 = sqlx::query_scalar("SELECT count(*) FROM export_shards").fetch_one(&app.pool).await.unwrap();
+    assert_eq!(shards, 1);
+    run.release().await.unwrap();
+    // Meanwhile the worker serves the other tenant.
+    let next = ClaimedExport::claim(&deps, "w").await.unwrap().unwrap();
+    assert_eq!(next.lease().job_id.to_string(), quick);
+    drop(next);
+    sqlx::query("UPDATE export_jobs SET lease_expires_at = NULL").execute(&app.pool).await.unwrap();
+    assert_eq!(app.drain().await.len(), 2, "both finish");
+}
+
+#[sqlx::test(migrations = "./migrations")]
 async fn a_worker_replaced_mid_job_does_not_double_count(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
     app.seed("acme", "tickets", 50).await;

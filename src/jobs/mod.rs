@@ -87,6 +87,10 @@ pub async fn run_next_job(
         if step.is_final() {
             return Ok(Outcome::Ran(step));
         }
+        if let Step::Throttled { .. } = step {
+            run.release().await?;
+            return Ok(Outcome::Ran(step));
+        }
         if deps.config.yield_between_shards && matches!(step, Step::ShardWritten { last: false, .. }) {
             run.release().await?;
             return Ok(Outcome::Ran(Step::Yielded));
@@ -100,6 +104,7 @@ fn count(step: &Step) {
         Step::ShardWritten { .. } => "exportd_shards_written_total",
         Step::ShardVerified { .. } => "exportd_shards_skipped_total",
         Step::ShardRewritten { .. } => "exportd_shards_rewritten_total",
+        Step::Throttled { .. } => "exportd_scan_throttled_total",
         other => {
             let outcome = match other {
                 Step::Published => "published",
@@ -120,21 +125,47 @@ fn count(step: &Step) {
 pub async fn drain(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Vec<Step>> {
     let (_keep, shutdown) = watch::channel(false);
     let mut steps = Vec::new();
+    let mut throttled = Throttle::default();
     while let Outcome::Ran(step) = run_next_job(deps, worker_id, &shutdown).await? {
-        if step != Step::Yielded {
+        throttled.after(&step, deps.config.poll_interval).await;
+        if !matches!(step, Step::Yielded | Step::Throttled { .. }) {
             steps.push(step);
         }
     }
     Ok(steps)
 }
 
+/// A throttled job is given back so the worker can serve another tenant; when the next claim is
+/// throttled too, nothing else is waiting, so the worker sleeps instead of spinning.
+#[derive(Default)]
+struct Throttle {
+    previous: bool,
+}
+
+impl Throttle {
+    async fn after(&mut self, step: &Step, at_most: Duration) {
+        match step {
+            Step::Throttled { wait } => {
+                if self.previous {
+                    tokio::time::sleep((*wait).min(at_most)).await;
+                }
+                self.previous = true;
+            }
+            _ => self.previous = false,
+        }
+    }
+}
+
 /// One worker loop: run jobs, poll when idle, stop (releasing its lease) on shutdown.
 pub async fn run_worker(deps: WorkerDeps, worker_id: String, mut shutdown: watch::Receiver<bool>) {
+    let mut throttled = Throttle::default();
     while !*shutdown.borrow() {
         let idle = match run_next_job(&deps, &worker_id, &shutdown).await {
-            Ok(Outcome::Ran(Step::Yielded)) => false,
             Ok(Outcome::Ran(step)) => {
-                tracing::info!(worker = %worker_id, outcome = ?step, "job run ended");
+                throttled.after(&step, deps.config.poll_interval).await;
+                if !matches!(step, Step::Yielded | Step::Throttled { .. }) {
+                    tracing::info!(worker = %worker_id, outcome = ?step, "job run ended");
+                }
                 false
             }
             Ok(Outcome::Idle) => true,

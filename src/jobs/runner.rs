@@ -47,11 +47,21 @@ pub enum Step {
     Released,
     /// Given back after a shard so other tenants' work can interleave; claimable at once.
     Yielded,
+    /// The tenant is over its scan rate: nothing written; the job is given back meanwhile.
+    Throttled {
+        wait: std::time::Duration,
+    },
 }
 
 impl Step {
     pub fn is_final(&self) -> bool {
-        !matches!(self, Step::ShardVerified { .. } | Step::ShardRewritten { .. } | Step::ShardWritten { .. })
+        !matches!(
+            self,
+            Step::ShardVerified { .. }
+                | Step::ShardRewritten { .. }
+                | Step::ShardWritten { .. }
+                | Step::Throttled { .. }
+        )
     }
 }
 
@@ -322,6 +332,7 @@ impl ClaimedExport {
             object_key: self.object_key(index),
             scan: &self.deps.scan,
             tenant: &self.job.tenant,
+            may_defer: false,
         }
     }
 
@@ -375,9 +386,9 @@ impl ClaimedExport {
         let rows_before: u64 = self.checkpoints.iter().map(|c| c.rows as u64).sum();
         let max_rows = self.deps.registry.get(&self.job.tenant).map_or(0, |t| t.quota.max_rows_per_export);
         let allowed = max_rows.saturating_sub(rows_before);
-        let written =
-            shard::write_shard(&self.deps.pool, self.shard_job(index, after, allowed), || self.heartbeat.keep_going())
-                .await?;
+        // A new shard may wait for the tenant's scan budget elsewhere (Throttled); a rewrite may not.
+        let job = ShardJob { may_defer: true, ..self.shard_job(index, after, allowed) };
+        let written = shard::write_shard(&self.deps.pool, job, || self.heartbeat.keep_going()).await?;
         let written = match written {
             Ok(written) => written,
             Err(ShardStop::NoRows) => {
@@ -389,6 +400,7 @@ impl ClaimedExport {
                 return self.fail("too-many-rows", &detail).await;
             }
             Err(ShardStop::Interrupted) => return self.after_refused_write().await,
+            Err(ShardStop::Throttled(wait)) => return Ok(Step::Throttled { wait }),
         };
         let digest = &written.digest;
         let checkpoint = ShardRecord {

@@ -36,6 +36,8 @@ pub enum ShardStop {
     TooManyRows,
     /// A heartbeat found the lease gone or a cancel request.
     Interrupted,
+    /// The tenant is over its scan rate; nothing was read. Retry after this long.
+    Throttled(std::time::Duration),
 }
 
 pub struct ShardJob<'a> {
@@ -52,6 +54,8 @@ pub struct ShardJob<'a> {
     pub object_key: ObjectKey,
     pub scan: &'a ScanLimits,
     pub tenant: &'a str,
+    /// Give up (`Throttled`) instead of waiting when the tenant's scan budget is spent at the start.
+    pub may_defer: bool,
 }
 
 /// Writes one shard. `keep_going` is called between pages (heartbeats); `false` stops.
@@ -64,8 +68,14 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<bool>>,
 {
+    // The shard's budget, up to one second's worth, is taken before anything is read.
+    let mut prepaid = match job.scan.try_acquire(job.tenant, job.shard_rows) {
+        Ok(rows) => rows,
+        Err(wait) if job.may_defer => return Ok(Err(ShardStop::Throttled(wait))),
+        Err(_) => 0,
+    };
     let mut limit = job.page_rows.min(job.shard_rows) as i64;
-    job.scan.acquire(job.tenant, limit as u64).await;
+    prepaid = pay(job.scan, job.tenant, prepaid, limit as u64).await;
     let mut page = job.source.page(pool, job.after.as_deref(), limit).await.context("reading records")?;
     if page.rows.is_empty() && page.exhausted && !job.is_first {
         return Ok(Err(ShardStop::NoRows));
@@ -92,7 +102,7 @@ where
             break Some(ShardStop::Interrupted);
         }
         limit = job.page_rows.min(job.shard_rows - rows) as i64;
-        job.scan.acquire(job.tenant, limit as u64).await;
+        prepaid = pay(job.scan, job.tenant, prepaid, limit as u64).await;
         page = job.source.page(pool, last_key.as_deref(), limit).await.context("reading records")?;
     };
     drop(pages);
@@ -108,6 +118,16 @@ where
         .context("persist task panicked")?
         .context("persisting shard file")?;
     Ok(Ok(WrittenShard { first_key, last_key, digest, object_key: job.object_key }))
+}
+
+/// Pays for reading `rows` from what was prepaid, waiting for the rest. Returns what is left prepaid.
+async fn pay(scan: &ScanLimits, tenant: &str, prepaid: u64, rows: u64) -> u64 {
+    if rows > prepaid {
+        scan.acquire(tenant, rows - prepaid).await;
+        0
+    } else {
+        prepaid - rows
+    }
 }
 
 type Encoded = io::Result<(PathBuf, std::fs::File, ShardDigest)>;
