@@ -148,13 +148,7 @@ pub async fn create(
     let mut tx = pool.begin().await?;
     // Serialize this tenant's creates on its usage row, then count: exactly max_queued_exports
     // creates succeed however many arrive at once.
-    sqlx::query(
-        "INSERT INTO tenant_usage (tenant) VALUES ($1)
-         ON CONFLICT ON CONSTRAINT tenant_usage_pkey DO UPDATE SET tenant = EXCLUDED.tenant",
-    )
-    .bind(caller.tenant.id.as_str())
-    .execute(&mut *tx)
-    .await?;
+    crate::quota::lock_tenant(&mut tx, caller.tenant.id.as_str()).await?;
     let queued: i64 = sqlx::query_scalar("SELECT count(*) FROM export_jobs WHERE tenant = $1 AND state = 'QUEUED'")
         .bind(caller.tenant.id.as_str())
         .fetch_one(&mut *tx)

@@ -138,13 +138,7 @@ pub async fn record_shard(
     shard: &ShardRecord,
 ) -> sqlx::Result<Result<(), Refused>> {
     let mut tx = pool.begin().await?;
-    sqlx::query(
-        "INSERT INTO tenant_usage (tenant) VALUES ($1)
-         ON CONFLICT ON CONSTRAINT tenant_usage_pkey DO UPDATE SET tenant = EXCLUDED.tenant",
-    )
-    .bind(tenant)
-    .execute(&mut *tx)
-    .await?;
+    crate::quota::lock_tenant(&mut tx, tenant).await?;
     let stored: i64 = sqlx::query_scalar(
         "SELECT coalesce(sum(s.bytes), 0)::bigint FROM export_shards s JOIN export_jobs j ON j.id = s.export_id
          WHERE j.tenant = $1 AND j.files_deleted_at IS NULL AND NOT (s.export_id = $2 AND s.shard_index = $3)",

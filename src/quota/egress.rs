@@ -19,13 +19,7 @@ pub async fn admit_download(
 ) -> sqlx::Result<Result<(), Duration>> {
     let midnight = now.replace_time(time::Time::MIDNIGHT);
     let mut tx = pool.begin().await?;
-    sqlx::query(
-        "INSERT INTO tenant_usage (tenant) VALUES ($1)
-         ON CONFLICT ON CONSTRAINT tenant_usage_pkey DO UPDATE SET tenant = EXCLUDED.tenant",
-    )
-    .bind(tenant.id.as_str())
-    .execute(&mut *tx)
-    .await?;
+    crate::quota::lock_tenant(&mut tx, tenant.id.as_str()).await?;
     let today: i64 = sqlx::query_scalar(
         "SELECT coalesce(sum(bytes), 0)::bigint FROM audit_log WHERE tenant = $1 AND action = 'downloaded' AND at >= $2",
     )

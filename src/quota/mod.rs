@@ -19,6 +19,19 @@ use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use crate::auth::Caller;
 use crate::tenants::{Registry, TenantId};
 
+/// Locks the tenant's usage row (creating it) for the rest of the transaction: every quota
+/// decision of one tenant (queued exports, stored bytes, egress) then counts after the previous.
+pub async fn lock_tenant(tx: &mut sqlx::PgConnection, tenant: &str) -> sqlx::Result<()> {
+    sqlx::query(
+        "INSERT INTO tenant_usage (tenant) VALUES ($1)
+         ON CONFLICT ON CONSTRAINT tenant_usage_pkey DO UPDATE SET tenant = EXCLUDED.tenant",
+    )
+    .bind(tenant)
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
 pub struct RateLimits {
     api: HashMap<TenantId, DefaultKeyedRateLimiter<String>>,
     clock: DefaultClock,
