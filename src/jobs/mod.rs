@@ -3,6 +3,7 @@
 //! work through PostgreSQL alone.
 
 mod fenced;
+mod plan;
 mod runner;
 mod shard;
 mod source;

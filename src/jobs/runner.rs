@@ -9,16 +9,13 @@ use serde_json::Value;
 
 use super::WorkerDeps;
 use super::fenced::{self, Lease, LeaseLost, Publication, Refused};
+use super::plan::{Heartbeat, Plan};
 use super::shard::{self, ShardJob, ShardStop};
-use super::source::Source;
 use crate::exports::{
     self, ExportJob, ExportState, Layout, Manifest, ManifestFile, ManifestShard, ShardRecord, shard_name,
 };
-use crate::feeds::{self, Cursor, Feed, Seal};
-use crate::records::{AsOf, Snapshot};
 use crate::storage::ObjectKey;
-use crate::tenants::{DatasetName, TenantId};
-use crate::writers::{Format, OutputColumn, sha256_hex};
+use crate::writers::sha256_hex;
 
 /// What one step did. Steps after which the run is over are "final".
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,120 +68,6 @@ enum Phase {
     Verify,
     Write,
     Publish,
-}
-
-/// The job as the worker reads it, parsed once from the frozen request.
-struct Plan {
-    tenant: TenantId,
-    dataset: DatasetName,
-    format: Format,
-    columns: Vec<OutputColumn>,
-    filter: Value,
-    row_filter: Value,
-    watermark: Snapshot,
-    shard_rows: u64,
-    /// Incremental exports: where the window chain starts and the tick it runs to.
-    chain: Option<Chain>,
-}
-
-struct Chain {
-    from: String,
-    start_after: Option<String>,
-    until_tick: i64,
-}
-
-impl Plan {
-    fn from_job(job: &ExportJob) -> anyhow::Result<Plan> {
-        let format = match job.format.as_str() {
-            "csv" => Format::Csv,
-            "jsonl" => Format::Jsonl,
-            other => anyhow::bail!("unknown format {other}"),
-        };
-        Ok(Plan {
-            tenant: TenantId::parse(&job.tenant).map_err(anyhow::Error::msg)?,
-            dataset: DatasetName::parse(&job.dataset).map_err(anyhow::Error::msg)?,
-            format,
-            columns: serde_json::from_value(job.columns.clone()).context("job columns")?,
-            filter: job.filter.clone(),
-            row_filter: job.row_filter.clone(),
-            watermark: Snapshot::parse(&job.watermark).map_err(anyhow::Error::msg)?,
-            shard_rows: u64::try_from(job.shard_rows).context("shard_rows")?,
-            chain: job.start_from.clone().map(|from| Chain {
-                from,
-                start_after: job.start_after.clone(),
-                until_tick: job.until_tick.unwrap_or(0),
-            }),
-        })
-    }
-
-    fn source(&self) -> Source<'_> {
-        match &self.chain {
-            None => Source::Snapshot(AsOf {
-                tenant: &self.tenant,
-                dataset: &self.dataset,
-                snapshot: &self.watermark,
-                filters: [&self.filter, &self.row_filter],
-            }),
-            Some(chain) => Source::Changes {
-                feed: self.feed(chain.until_tick),
-                from: &chain.from,
-                start_after: chain.start_after.as_deref(),
-                until_tick: chain.until_tick,
-            },
-        }
-    }
-
-    fn feed(&self, until_tick: i64) -> Feed<'_> {
-        Feed {
-            tenant: self.tenant.as_str(),
-            dataset: self.dataset.as_str(),
-            row_filter: &self.row_filter,
-            seal: Seal::UpTo(until_tick),
-        }
-    }
-
-    /// The cursor the manifest hands out to continue after this export.
-    async fn next_cursor(&self, deps: &WorkerDeps, job: &ExportJob) -> anyhow::Result<String> {
-        let cluster = crate::feeds::system_identifier(&deps.pool).await?;
-        let cursor = |from: &str, after: Option<String>, ts: i64| {
-            let cursor = Cursor::new(&job.tenant, &job.principal, &job.dataset, &cluster, from, ts);
-            Cursor { after, ..cursor }.encode(&deps.keys)
-        };
-        Ok(match &self.chain {
-            None => cursor(self.watermark.as_str(), None, job.created_at.unix_timestamp()),
-            Some(chain) => {
-                match feeds::chain_end(&deps.pool, &self.feed(chain.until_tick), &chain.from, chain.until_tick).await? {
-                    Some((end, at)) => cursor(&end, None, at.unix_timestamp()),
-                    // No window was sealed: continue where this export started.
-                    None => job.from_cursor.clone().unwrap_or_default(),
-                }
-            }
-        })
-    }
-}
-
-/// Renews the lease between pages, at most every third of its lifetime.
-struct Heartbeat {
-    deps: WorkerDeps,
-    lease: Lease,
-    last: Mutex<Instant>,
-}
-
-impl Heartbeat {
-    async fn beat(&self) -> anyhow::Result<Result<ExportState, LeaseLost>> {
-        let state = fenced::heartbeat(&self.deps.pool, self.lease, self.deps.config.lease_ttl).await?;
-        *self.last.lock().expect("not poisoned") = Instant::now();
-        Ok(state)
-    }
-
-    /// `true` while the job is still RUNNING under this lease.
-    async fn keep_going(&self) -> anyhow::Result<bool> {
-        let due = self.last.lock().expect("not poisoned").elapsed() >= self.deps.config.lease_ttl / 3;
-        if !due {
-            return Ok(true);
-        }
-        Ok(self.beat().await? == Ok(ExportState::Running))
-    }
 }
 
 pub struct ClaimedExport {

@@ -1,0 +1,131 @@
+//! What a claimed job reads (its frozen plan: where rows come from, what the manifest's cursor
+//! is) and how its lease is renewed while a shard is written.
+
+use std::sync::Mutex;
+use std::time::Instant;
+
+use anyhow::Context;
+use serde_json::Value;
+
+use super::WorkerDeps;
+use super::fenced::{self, Lease, LeaseLost};
+use super::source::Source;
+use crate::exports::{ExportJob, ExportState};
+use crate::feeds::{self, Cursor, Feed, Seal};
+use crate::records::{AsOf, Snapshot};
+use crate::tenants::{DatasetName, TenantId};
+use crate::writers::{Format, OutputColumn};
+
+/// The job as the worker reads it, parsed once from the frozen request.
+pub(super) struct Plan {
+    pub(super) tenant: TenantId,
+    pub(super) dataset: DatasetName,
+    pub(super) format: Format,
+    pub(super) columns: Vec<OutputColumn>,
+    pub(super) filter: Value,
+    pub(super) row_filter: Value,
+    pub(super) watermark: Snapshot,
+    pub(super) shard_rows: u64,
+    /// Incremental exports: where the window chain starts and the tick it runs to.
+    pub(super) chain: Option<Chain>,
+}
+
+pub(super) struct Chain {
+    pub(super) from: String,
+    pub(super) start_after: Option<String>,
+    pub(super) until_tick: i64,
+}
+
+impl Plan {
+    pub(super) fn from_job(job: &ExportJob) -> anyhow::Result<Plan> {
+        let format = match job.format.as_str() {
+            "csv" => Format::Csv,
+            "jsonl" => Format::Jsonl,
+            other => anyhow::bail!("unknown format {other}"),
+        };
+        Ok(Plan {
+            tenant: TenantId::parse(&job.tenant).map_err(anyhow::Error::msg)?,
+            dataset: DatasetName::parse(&job.dataset).map_err(anyhow::Error::msg)?,
+            format,
+            columns: serde_json::from_value(job.columns.clone()).context("job columns")?,
+            filter: job.filter.clone(),
+            row_filter: job.row_filter.clone(),
+            watermark: Snapshot::parse(&job.watermark).map_err(anyhow::Error::msg)?,
+            shard_rows: u64::try_from(job.shard_rows).context("shard_rows")?,
+            chain: job.start_from.clone().map(|from| Chain {
+                from,
+                start_after: job.start_after.clone(),
+                until_tick: job.until_tick.unwrap_or(0),
+            }),
+        })
+    }
+
+    pub(super) fn source(&self) -> Source<'_> {
+        match &self.chain {
+            None => Source::Snapshot(AsOf {
+                tenant: &self.tenant,
+                dataset: &self.dataset,
+                snapshot: &self.watermark,
+                filters: [&self.filter, &self.row_filter],
+            }),
+            Some(chain) => Source::Changes {
+                feed: self.feed(chain.until_tick),
+                from: &chain.from,
+                start_after: chain.start_after.as_deref(),
+                until_tick: chain.until_tick,
+            },
+        }
+    }
+
+    pub(super) fn feed(&self, until_tick: i64) -> Feed<'_> {
+        Feed {
+            tenant: self.tenant.as_str(),
+            dataset: self.dataset.as_str(),
+            row_filter: &self.row_filter,
+            seal: Seal::UpTo(until_tick),
+        }
+    }
+
+    /// The cursor the manifest hands out to continue after this export.
+    pub(super) async fn next_cursor(&self, deps: &WorkerDeps, job: &ExportJob) -> anyhow::Result<String> {
+        let cluster = crate::feeds::system_identifier(&deps.pool).await?;
+        let cursor = |from: &str, after: Option<String>, ts: i64| {
+            let cursor = Cursor::new(&job.tenant, &job.principal, &job.dataset, &cluster, from, ts);
+            Cursor { after, ..cursor }.encode(&deps.keys)
+        };
+        Ok(match &self.chain {
+            None => cursor(self.watermark.as_str(), None, job.created_at.unix_timestamp()),
+            Some(chain) => {
+                match feeds::chain_end(&deps.pool, &self.feed(chain.until_tick), &chain.from, chain.until_tick).await? {
+                    Some((end, at)) => cursor(&end, None, at.unix_timestamp()),
+                    // No window was sealed: continue where this export started.
+                    None => job.from_cursor.clone().unwrap_or_default(),
+                }
+            }
+        })
+    }
+}
+
+/// Renews the lease between pages, at most every third of its lifetime.
+pub(super) struct Heartbeat {
+    pub(super) deps: WorkerDeps,
+    pub(super) lease: Lease,
+    pub(super) last: Mutex<Instant>,
+}
+
+impl Heartbeat {
+    pub(super) async fn beat(&self) -> anyhow::Result<Result<ExportState, LeaseLost>> {
+        let state = fenced::heartbeat(&self.deps.pool, self.lease, self.deps.config.lease_ttl).await?;
+        *self.last.lock().expect("not poisoned") = Instant::now();
+        Ok(state)
+    }
+
+    /// `true` while the job is still RUNNING under this lease.
+    pub(super) async fn keep_going(&self) -> anyhow::Result<bool> {
+        let due = self.last.lock().expect("not poisoned").elapsed() >= self.deps.config.lease_ttl / 3;
+        if !due {
+            return Ok(true);
+        }
+        Ok(self.beat().await? == Ok(ExportState::Running))
+    }
+}
