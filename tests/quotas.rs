@@ -282,3 +282,15 @@ async fn a_worker_replaced_mid_job_does_not_double_count(pool: PgPool) {
     assert_eq!(after["usage"]["stored_bytes"], manifest["total_bytes"], "each shard counted once");
     assert_eq!(after["usage"]["rows_exported_today"], 50);
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_metrics_token_guards_the_metrics(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let base = app.sibling_with(app.registry.clone(), |s| s.metrics_token = Some("scrape-secret".into())).await;
+    let url = format!("{base}/metrics");
+    assert_eq!(app.client.get(&url).send().await.unwrap().status(), 401);
+    assert_eq!(app.client.get(&url).bearer_auth("wrong").send().await.unwrap().status(), 401);
+    let ok = app.client.get(&url).bearer_auth("scrape-secret").send().await.unwrap();
+    assert_eq!(ok.status(), 200);
+    assert!(ok.text().await.unwrap().contains("exportd_exports"));
+}

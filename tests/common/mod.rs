@@ -174,9 +174,14 @@ impl TestApp {
     /// Another server over the same database, files, link keys and clock, with other tenant
     /// configuration (e.g. a principal disabled since). Returns its base URL.
     pub async fn sibling(&self, registry: Arc<Registry>) -> String {
+        self.sibling_with(registry, |_| {}).await
+    }
+
+    /// A sibling server whose state `edit` adjusts (e.g. a metrics token).
+    pub async fn sibling_with(&self, registry: Arc<Registry>, edit: impl FnOnce(&mut AppState)) -> String {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().unwrap();
-        let state = AppState {
+        let mut state = AppState {
             pool: self.pool.clone(),
             limits: Arc::new(RateLimits::new(&registry)),
             metrics_token: None,
@@ -186,6 +191,7 @@ impl TestApp {
             clock: self.clock.clone(),
             link_ttl: Duration::from_secs(300),
         };
+        edit(&mut state);
         tokio::spawn(http::serve(listener, http::app(state), std::future::pending(), Duration::from_secs(1)));
         format!("http://{addr}")
     }
