@@ -168,19 +168,15 @@ async fn window_changes(pool: &PgPool, feed: &Feed<'_>, window: &Window, keys: &
     if keys.is_empty() {
         return Ok(Vec::new());
     }
+    // One index probe per key reads all its versions and keeps the one live at each end.
     let rows: Vec<(String, Option<String>, bool, bool)> = sqlx::query_as(
-        "SELECT k.key, b.data::text, coalesce(b.data @> $6, false), coalesce(a.data @> $6, false)
+        "SELECT k.key, s.b_data::text, coalesce(s.b_data @> $6, false), coalesce(s.a_data @> $6, false)
          FROM unnest($3::text[]) WITH ORDINALITY AS k(key, n)
          LEFT JOIN LATERAL (
-             SELECT v.data FROM record_versions v
-             WHERE v.tenant = $1 AND v.dataset = $2 AND v.key = k.key AND v.data IS NOT NULL
-               AND exportd_live_at(v.created_xid, v.closed_xid, $4::pg_snapshot)
-             LIMIT 1) a ON true
-         LEFT JOIN LATERAL (
-             SELECT v.data FROM record_versions v
-             WHERE v.tenant = $1 AND v.dataset = $2 AND v.key = k.key AND v.data IS NOT NULL
-               AND exportd_live_at(v.created_xid, v.closed_xid, $5::pg_snapshot)
-             LIMIT 1) b ON true
+             SELECT (array_agg(v.data) FILTER (WHERE exportd_live_at(v.created_xid, v.closed_xid, $4::pg_snapshot)))[1] AS a_data,
+                    (array_agg(v.data) FILTER (WHERE exportd_live_at(v.created_xid, v.closed_xid, $5::pg_snapshot)))[1] AS b_data
+             FROM record_versions v
+             WHERE v.tenant = $1 AND v.dataset = $2 AND v.key = k.key AND v.data IS NOT NULL) s ON true
          ORDER BY k.n",
     )
     .bind(feed.tenant)
