@@ -90,12 +90,8 @@ impl ArtifactStore {
         }
     }
 
-    /// Deletes every object under `prefix/` (e.g. one export's directory). Returns bytes freed.
-    pub fn delete_prefix(&self, prefix: &ObjectKey) -> io::Result<u64> {
-        Ok(self.delete_prefix_counted(prefix)?.1)
-    }
-
-    /// Like [`ArtifactStore::delete_prefix`], returning (files, bytes) freed.
+    /// Deletes every object under `prefix/` (e.g. one export's directory). Returns (files, bytes)
+    /// freed.
     pub fn delete_prefix_counted(&self, prefix: &ObjectKey) -> io::Result<(u64, u64)> {
         let dir = self.path(prefix);
         let (files, bytes) = dir_size(&dir)?;
@@ -241,7 +237,7 @@ mod tests {
         assert_eq!(bytes, 5);
         assert_eq!(sha, "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824");
         assert!(!temp.exists());
-        assert_eq!(store.delete_prefix(&ObjectKey::parse("t/e").unwrap()).unwrap(), 5);
+        assert_eq!(store.delete_prefix_counted(&ObjectKey::parse("t/e").unwrap()).unwrap(), (1, 5));
         assert_eq!(store.digest(&key).unwrap(), None);
     }
 }

@@ -152,10 +152,6 @@ impl<W: Write + Send + 'static> ShardWriter<W> {
         Ok(())
     }
 
-    pub fn rows(&self) -> u64 {
-        self.rows
-    }
-
     /// Ends the gzip stream and returns the inner writer with the shard's size and sha256.
     pub fn finish(self) -> io::Result<(W, ShardDigest)> {
         let compressor = match self.encoder {
