@@ -23,4 +23,10 @@ pub struct Settings {
     /// signed with them may still be in use.
     #[arg(long, env = "EXPORTD_LINK_KEYS", hide_env_values = true, global = true)]
     pub link_keys: Option<String>,
+
+    /// Export job lease (`serve` and `worker`): a worker that stops renewing it (killed, cut
+    /// off) loses the job to another worker after this long. Shorter means faster takeover and
+    /// more heartbeats (one every third of it). At least 1s.
+    #[arg(long, env = "EXPORTD_LEASE_TTL", default_value = "30s", value_parser = humantime::parse_duration, global = true)]
+    pub lease_ttl: std::time::Duration,
 }

@@ -77,3 +77,56 @@ pub async fn create_database_if_missing(database_url: &str) -> anyhow::Result<()
     }
     Ok(())
 }
+
+/// SQLSTATEs worth retrying as they are: the transaction lost a race (serialization failure,
+/// deadlock) or the server went away under it (shutdown, crash, not accepting connections yet,
+/// too many connections). Class 08 (connection exceptions) is matched separately.
+const TRANSIENT_SQLSTATES: [&str; 6] = ["40001", "40P01", "57P01", "57P02", "57P03", "53300"];
+
+/// Whether a database error is transient: the same work, retried on a fresh connection or in a
+/// fresh transaction, may well succeed (connection lost, failover, deadlock or serialization
+/// victim, pool exhausted for a moment).
+pub fn is_transient(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Protocol(_) => true, // a connection cut mid-message
+        sqlx::Error::Database(db) => {
+            db.code().is_some_and(|code| code.starts_with("08") || TRANSIENT_SQLSTATES.contains(&code.as_ref()))
+        }
+        _ => false,
+    }
+}
+
+/// Delays between retries of a transient error: 50 ms doubling to 2 s, jittered so that
+/// processes that failed together do not retry together. Callers bound the total themselves.
+pub fn retry_delays() -> impl Iterator<Item = Duration> {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::new()
+        .with_jitter()
+        .with_min_delay(Duration::from_millis(50))
+        .with_max_delay(Duration::from_secs(2))
+        .without_max_times()
+        .build()
+}
+
+/// [`is_transient`] for an error chain: true when any cause is a transient database error.
+pub fn is_transient_chain(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| cause.downcast_ref::<sqlx::Error>().is_some_and(is_transient))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lost_connections_and_lost_races_are_transient_but_bad_sql_is_not() {
+        let io = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+        assert!(is_transient(&io));
+        assert!(is_transient(&sqlx::Error::PoolTimedOut));
+        assert!(!is_transient(&sqlx::Error::RowNotFound));
+        assert!(!is_transient(&sqlx::Error::PoolClosed));
+        let wrapped = anyhow::Error::from(io).context("claiming a job").context("worker");
+        assert!(is_transient_chain(&wrapped));
+        assert!(!is_transient_chain(&anyhow::anyhow!("unknown format xml")));
+    }
+}

@@ -136,7 +136,10 @@ pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> 
         let mut handles = jobs::spawn_workers(&deps, workers, &shutdown);
         handles.push(spawn_cleaner(&deps, Clock::system(), CLEAN_EVERY, &shutdown));
         handles.push(tokio::spawn(feeds::run_ticker(deps.pool.clone(), TICK_EVERY, shutdown.clone())));
+        // Runs until told to stop; only then do the workers get the drain time.
+        let _ = shutdown.clone().wait_for(|stop| *stop).await;
         join_workers(handles).await;
+        tracing::info!("exportd worker stopped");
     }
     pool.close().await;
     Ok(())
@@ -147,7 +150,9 @@ fn worker_deps(settings: &Settings, pool: PgPool, registry: Arc<Registry>) -> an
         .with_context(|| format!("opening the artifact store in {}", settings.data_dir.display()))?;
     let keys = Arc::new(server_keys(settings)?);
     let scan = Arc::new(ScanLimits::new(&registry));
-    Ok(WorkerDeps { pool, registry, store, keys, scan, config: WorkerConfig::default() })
+    anyhow::ensure!(settings.lease_ttl >= Duration::from_secs(1), "EXPORTD_LEASE_TTL: must be at least 1s");
+    let config = WorkerConfig { lease_ttl: settings.lease_ttl, ..WorkerConfig::default() };
+    Ok(WorkerDeps { pool, registry, store, keys, scan, config })
 }
 
 /// The keys that sign links and cursors.
@@ -171,7 +176,8 @@ fn shutdown_channel() -> watch::Receiver<bool> {
     rx
 }
 
-/// Workers finish their current shard and release their leases; wait for that, within the drain time.
+/// After shutdown was signalled: workers finish their current shard and release their leases;
+/// wait for that, within the drain time.
 async fn join_workers(handles: Vec<tokio::task::JoinHandle<()>>) {
     let all = futures_util::future::join_all(handles);
     if tokio::time::timeout(DRAIN, all).await.is_err() {

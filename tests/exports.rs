@@ -2,14 +2,10 @@
 
 mod common;
 
-use common::{TestApp, csv_rows, gunzip, problem};
+use common::{TestApp, csv_rows, expire_lease, full_csv, gunzip, problem};
 use exportd::jobs::{ClaimedExport, Step};
 use serde_json::{Value, json};
 use sqlx::{Connection, PgPool};
-
-fn full_csv(shard_rows: u32) -> Value {
-    json!({"dataset": "tickets", "format": "csv", "shard_rows": shard_rows})
-}
 
 async fn upsert(conn: &mut sqlx::PgConnection, key: &str, subject: &str) {
     sqlx::query("SELECT exportd_upsert('acme', 'tickets', $1, $2)")
@@ -40,14 +36,6 @@ async fn crash_after(app: &TestApp, shards: usize) {
     for index in 0..shards {
         assert!(matches!(doomed.step().await.unwrap(), Step::ShardWritten { index: i, .. } if i as usize == index));
     }
-}
-
-async fn expire_lease(pool: &PgPool, id: &str) {
-    sqlx::query("UPDATE export_jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1::uuid")
-        .bind(id)
-        .execute(pool)
-        .await
-        .unwrap();
 }
 
 #[sqlx::test(migrations = "./migrations")]

@@ -95,6 +95,8 @@ pub struct ExportJob {
     pub finished_at: Option<OffsetDateTime>,
     pub lease_generation: i64,
     pub attempts: i32,
+    /// Consecutive claims without a new checkpoint in between (the `attempts-exhausted` count).
+    pub stalled_attempts: i32,
     pub shards_done: i32,
     pub rows_done: i64,
     pub bytes_done: i64,
@@ -113,7 +115,7 @@ pub struct ExportJob {
 /// The SELECT list matching [`ExportJob`].
 pub(crate) const JOB_COLUMNS: &str = "id, tenant, principal, dataset, mode, format, request, request_sha256, state, \
      watermark::text AS watermark, columns, filter, row_filter, shard_rows, created_at, started_at, finished_at, \
-     lease_generation, attempts, shards_done, rows_done, bytes_done, error_code, error_detail, manifest_sha256, \
+     lease_generation, attempts, stalled_attempts, shards_done, rows_done, bytes_done, error_code, error_detail, manifest_sha256, \
      file_bytes, file_sha256, expires_at, from_cursor, start_from, start_after, until_tick";
 
 /// The outcome of a create: the job, and whether it already existed for this key.

@@ -161,7 +161,7 @@ async fn serve(
             e.retry_after_seconds = Some(wait.as_secs());
             e.into_response()
         }
-        Err(e) => ApiError::internal(e).into_response(),
+        Err(e) => ApiError::from(e).into_response(),
     }
 }
 

@@ -71,6 +71,19 @@ impl ApiError {
         e
     }
 
+    /// 503 with `Retry-After`: the database is briefly unreachable, or the request lost a race
+    /// (deadlock, serialization) it could not win by retrying inside. Nothing was changed.
+    pub fn unavailable(source: impl Into<anyhow::Error>) -> Self {
+        let mut e = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "temporarily-unavailable",
+            "the service could not complete the request just now and changed nothing; retry after the Retry-After delay",
+        );
+        e.retry_after_seconds = Some(1);
+        e.source = Some(source.into());
+        e
+    }
+
     pub fn with(mut self, member: &str, value: impl Into<Value>) -> Self {
         self.members.insert(member.to_owned(), value.into());
         self
@@ -79,8 +92,12 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        if let Some(source) = &self.source {
-            tracing::error!(error = format!("{source:#}"), "request failed");
+        match &self.source {
+            Some(source) if self.status == StatusCode::SERVICE_UNAVAILABLE => {
+                tracing::warn!(error = format!("{source:#}"), "request refused: transient database error");
+            }
+            Some(source) => tracing::error!(error = format!("{source:#}"), "request failed"),
+            None => {}
         }
         let mut body = json!({
             "type": format!("urn:exportd:problem:{}", self.code),
@@ -105,13 +122,13 @@ impl IntoResponse for ApiError {
 
 impl From<sqlx::Error> for ApiError {
     fn from(e: sqlx::Error) -> Self {
-        ApiError::internal(e)
+        if crate::db::is_transient(&e) { ApiError::unavailable(e) } else { ApiError::internal(e) }
     }
 }
 
 impl From<anyhow::Error> for ApiError {
     fn from(e: anyhow::Error) -> Self {
-        ApiError::internal(e)
+        if crate::db::is_transient_chain(&e) { ApiError::unavailable(e) } else { ApiError::internal(e) }
     }
 }
 

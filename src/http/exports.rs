@@ -397,7 +397,7 @@ impl From<ExportError> for ApiError {
             ExportError::Gone(state) => {
                 ApiError::new(StatusCode::GONE, "export-gone", detail).with("state", state.as_str())
             }
-            ExportError::Database(e) => ApiError::internal(e),
+            ExportError::Database(e) => e.into(),
         }
     }
 }

@@ -95,7 +95,7 @@ async fn ingest(
     records::write_batch(&state.pool, &caller.tenant.id, &schema.name, &writes).await.map(axum::Json).map_err(|e| {
         match e {
             WriteError::Invalid { index, field, message } => invalid_record(index, &field, message),
-            WriteError::Database(e) => ApiError::internal(e),
+            WriteError::Database(e) => e.into(),
         }
     })
 }

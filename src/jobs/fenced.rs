@@ -1,5 +1,11 @@
 //! Every write a worker makes, conditioned on its lease generation. A write that matches no
 //! row means another worker took over (or the user cancelled): the caller stops.
+//!
+//! **Lock order**, everywhere in exportd: a transaction that takes several row locks takes them
+//! in this order, so no two transactions ever wait on each other in a cycle:
+//! `tenant_usage` (quota decisions, [`crate::quota::lock_tenant`]) → `export_jobs` →
+//! `export_shards` → `scheduler_turns` (the claim only, last). Never an earlier kind after a
+//! later one.
 
 use std::time::Duration;
 
@@ -35,7 +41,11 @@ pub struct Claimed {
 /// Claims the next job fairly: among tenants below their `max_running_exports` (given as
 /// `limits`), the one served least recently; within it, its oldest job that is QUEUED, whose
 /// lease expired or was given back, or that awaits its cancellation. QUEUED becomes RUNNING; the
-/// generation grows; a yielded job's claim is not counted as another attempt.
+/// generation grows; a yielded job's claim is not counted as another attempt, and a claim that
+/// finds a new checkpoint since the previous one starts the stalled count again.
+///
+/// Candidates are ranked without locks and only the chosen row is locked (`SKIP LOCKED`), so a
+/// claim holds one job row, then the tenant's `scheduler_turns` row (the lock order above).
 pub async fn claim(
     pool: &PgPool,
     worker_id: &str,
@@ -53,27 +63,35 @@ pub async fn claim(
              SELECT DISTINCT tenant FROM export_jobs
              WHERE state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
                AND (lease_expires_at IS NULL OR lease_expires_at < now())),
-         candidate AS (
-             SELECT c.id, c.yielded FROM waiting w
+         ranked AS (
+             SELECT c.id, row_number() OVER (ORDER BY t.last_claimed_at NULLS FIRST, c.created_at, c.id) AS turn
+             FROM waiting w
              LEFT JOIN limits l ON l.tenant = w.tenant
              LEFT JOIN busy b ON b.tenant = w.tenant
-             LEFT JOIN tenant_usage u ON u.tenant = w.tenant
+             LEFT JOIN scheduler_turns t ON t.tenant = w.tenant
              CROSS JOIN LATERAL (
-                 SELECT j.id, j.yielded, j.created_at FROM export_jobs j
+                 SELECT j.id, j.created_at FROM export_jobs j
                  WHERE j.tenant = w.tenant AND j.state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
                    AND (j.lease_expires_at IS NULL OR j.lease_expires_at < now())
                  ORDER BY j.created_at, j.id
-                 LIMIT 1
-                 FOR UPDATE SKIP LOCKED) c
-             WHERE coalesce(b.running, 0) < coalesce(l.max_running, 1)
-             ORDER BY u.last_claimed_at NULLS FIRST, c.created_at, c.id
-             LIMIT 1)
+                 LIMIT 4) c
+             WHERE coalesce(b.running, 0) < coalesce(l.max_running, 1)),
+         candidate AS (
+             SELECT j.id, j.yielded FROM export_jobs j JOIN ranked r ON r.id = j.id
+             WHERE j.state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
+               AND (j.lease_expires_at IS NULL OR j.lease_expires_at < now())
+             ORDER BY r.turn
+             LIMIT 1
+             FOR UPDATE OF j SKIP LOCKED)
          UPDATE export_jobs j SET
              state = CASE WHEN j.state = 'QUEUED' THEN 'RUNNING' ELSE j.state END,
              lease_generation = j.lease_generation + 1,
              lease_owner = $1,
              lease_expires_at = now() + $2 * interval '1 millisecond',
              attempts = j.attempts + CASE WHEN j.yielded THEN 0 ELSE 1 END,
+             stalled_attempts = CASE WHEN j.yielded OR j.shards_done > j.shards_at_claim THEN 1
+                                     ELSE j.stalled_attempts + 1 END,
+             shards_at_claim = j.shards_done,
              yielded = false,
              started_at = coalesce(j.started_at, now())
          FROM candidate
@@ -89,8 +107,8 @@ pub async fn claim(
     .await?;
     if let Some(claimed) = &claimed {
         sqlx::query(
-            "INSERT INTO tenant_usage (tenant, last_claimed_at) VALUES ($1, clock_timestamp())
-             ON CONFLICT ON CONSTRAINT tenant_usage_pkey DO UPDATE SET last_claimed_at = clock_timestamp()",
+            "INSERT INTO scheduler_turns (tenant, last_claimed_at) VALUES ($1, clock_timestamp())
+             ON CONFLICT ON CONSTRAINT scheduler_turns_pkey DO UPDATE SET last_claimed_at = clock_timestamp()",
         )
         .bind(&claimed.job.tenant)
         .execute(&mut *tx)
@@ -285,13 +303,29 @@ pub async fn release(pool: &PgPool, lease: Lease) -> sqlx::Result<()> {
     Ok(())
 }
 
-/// The job's state and generation, to tell a cancel from a takeover after a refused write.
-pub async fn current(pool: &PgPool, job_id: Uuid) -> sqlx::Result<(ExportState, i64)> {
-    let (state, generation): (String, i64) =
-        sqlx::query_as("SELECT state, lease_generation FROM export_jobs WHERE id = $1")
+/// Gives the job back after an error: claimable at once, and (unlike [`release`]) the next
+/// claim verifies the checkpoints and counts an attempt.
+pub async fn give_back(pool: &PgPool, lease: Lease) -> sqlx::Result<()> {
+    sqlx::query(
+        "UPDATE export_jobs SET lease_owner = NULL, lease_expires_at = NULL
+         WHERE id = $1 AND lease_generation = $2 AND state IN ('RUNNING', 'CANCEL_REQUESTED')",
+    )
+    .bind(lease.job_id)
+    .bind(lease.generation)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The job's state, generation and failure code, to tell a cancel from a takeover (or from our
+/// own terminal write) after a refused write.
+pub async fn current(pool: &PgPool, job_id: Uuid) -> sqlx::Result<(ExportState, i64, Option<String>)> {
+    let (state, generation, code): (String, i64, Option<String>) =
+        sqlx::query_as("SELECT state, lease_generation, error_code FROM export_jobs WHERE id = $1")
             .bind(job_id)
             .fetch_one(pool)
             .await?;
-    let state = ExportState::parse(&state).ok_or_else(|| sqlx::Error::Protocol(format!("unknown state {state}")))?;
-    Ok((state, generation))
+    let state =
+        ExportState::parse(&state).ok_or_else(|| sqlx::Error::Decode(format!("unknown state {state}").into()))?;
+    Ok((state, generation, code))
 }

@@ -30,7 +30,8 @@ pub struct WorkerConfig {
     pub page_rows: u32,
     /// How long an idle worker waits before looking for work again.
     pub poll_interval: Duration,
-    /// Attempts (first run plus takeovers) before a job fails with `attempts-exhausted`.
+    /// Claims in a row that find no new checkpoint since the previous claim (workers dying or
+    /// erring without progress) before a job fails with `attempts-exhausted`.
     pub max_attempts: i32,
     /// Give the job back after every shard, so the next claim can serve another tenant.
     pub yield_between_shards: bool,
@@ -83,7 +84,20 @@ pub async fn run_next_job(
             run.release().await?;
             return Ok(Outcome::Ran(Step::Released));
         }
-        let step = run.step().await?;
+        let step = match run.step_with_retries().await {
+            Ok(step) => step,
+            Err(e) => {
+                // Whatever stopped this run, another attempt may start now rather than after the
+                // lease expires; if even that fails, expiry is the fallback.
+                if let Err(give_back) = run.give_back().await {
+                    tracing::warn!(
+                        error = format!("{give_back:#}"),
+                        "could not give the export back; its lease will expire"
+                    );
+                }
+                return Err(e);
+            }
+        };
         count(&step);
         if step.is_final() {
             return Ok(Outcome::Ran(step));
@@ -170,8 +184,12 @@ pub async fn run_worker(deps: WorkerDeps, worker_id: String, mut shutdown: watch
                 false
             }
             Ok(Outcome::Idle) => true,
+            Err(e) if crate::db::is_transient_chain(&e) => {
+                tracing::warn!(worker = %worker_id, error = format!("{e:#}"), "database unavailable; trying again");
+                true
+            }
             Err(e) => {
-                tracing::error!(worker = %worker_id, error = format!("{e:#}"), "job run failed; the lease will expire and the job be retried");
+                tracing::error!(worker = %worker_id, error = format!("{e:#}"), "job run failed; the job was given back to be retried");
                 true
             }
         };
@@ -184,7 +202,8 @@ pub async fn run_worker(deps: WorkerDeps, worker_id: String, mut shutdown: watch
     }
 }
 
-/// Starts `count` worker loops; they stop when `shutdown` turns true.
+/// Starts `count` worker loops; they stop when `shutdown` turns true. A loop that panics is
+/// logged and started again: the process keeps its workers until it is told to stop.
 pub fn spawn_workers(
     deps: &WorkerDeps,
     count: usize,
@@ -192,6 +211,20 @@ pub fn spawn_workers(
 ) -> Vec<tokio::task::JoinHandle<()>> {
     let process = uuid::Uuid::new_v4().simple().to_string();
     (0..count)
-        .map(|n| tokio::spawn(run_worker(deps.clone(), format!("{}-{n}", &process[..12]), shutdown.clone())))
+        .map(|n| tokio::spawn(supervise(deps.clone(), format!("{}-{n}", &process[..12]), shutdown.clone())))
         .collect()
+}
+
+async fn supervise(deps: WorkerDeps, worker_id: String, shutdown: watch::Receiver<bool>) {
+    loop {
+        let run = tokio::spawn(run_worker(deps.clone(), worker_id.clone(), shutdown.clone()));
+        match run.await {
+            Err(panic) if panic.is_panic() && !*shutdown.borrow() => {
+                tracing::error!(worker = %worker_id, "worker panicked; starting it again");
+                metrics::counter!("exportd_worker_restarts_total").increment(1);
+                tokio::time::sleep(deps.config.poll_interval).await;
+            }
+            _ => return,
+        }
+    }
 }

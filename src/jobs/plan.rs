@@ -120,6 +120,11 @@ impl Heartbeat {
         Ok(state)
     }
 
+    /// How long the lease surely lasts without another beat.
+    pub(super) fn remaining(&self) -> std::time::Duration {
+        self.deps.config.lease_ttl.saturating_sub(self.last.lock().expect("not poisoned").elapsed())
+    }
+
     /// `true` while the job is still RUNNING under this lease.
     pub(super) async fn keep_going(&self) -> anyhow::Result<bool> {
         let due = self.last.lock().expect("not poisoned").elapsed() >= self.deps.config.lease_ttl / 3;

@@ -124,8 +124,11 @@ impl ClaimedExport {
                     if self.job.state == ExportState::CancelRequested {
                         return self.finish_cancel().await;
                     }
-                    if self.job.attempts > self.deps.config.max_attempts {
-                        let detail = format!("gave up after {} attempts", self.deps.config.max_attempts);
+                    if self.job.stalled_attempts > self.deps.config.max_attempts {
+                        let detail = format!(
+                            "gave up after {} attempts in a row without a new checkpoint",
+                            self.deps.config.max_attempts
+                        );
                         return self.fail("attempts-exhausted", &detail).await;
                     }
                     if let Err(reason) = self.authorized() {
@@ -160,10 +163,41 @@ impl ClaimedExport {
         }
     }
 
+    /// [`step`](Self::step), retrying a transient database error (connection lost, failover,
+    /// deadlock victim) in place with backoff while the lease is safely ours. Every step may be
+    /// repeated: its writes are fenced, idempotent checkpoints, and a shard is rewritten whole.
+    pub async fn step_with_retries(&mut self) -> anyhow::Result<Step> {
+        let mut delays = crate::db::retry_delays();
+        loop {
+            match self.step().await {
+                Err(e) if crate::db::is_transient_chain(&e) => {
+                    let delay = delays.next().unwrap_or(self.deps.config.lease_ttl);
+                    // Keep a sixth of the lease as margin: the retried step renews it first.
+                    if self.heartbeat.remaining() <= delay + self.deps.config.lease_ttl / 6 {
+                        return Err(e);
+                    }
+                    metrics::counter!("exportd_transient_retries_total", "where" => "worker").increment(1);
+                    tracing::warn!(export = %self.job.id, error = format!("{e:#}"), retry_in_ms = delay.as_millis() as u64, "transient database error; retrying the step");
+                    tokio::time::sleep(delay).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// Gives the job back so another worker can continue at once (shutdown, or yielding).
     pub async fn release(self) -> anyhow::Result<()> {
         fenced::release(&self.deps.pool, self.lease).await?;
         tracing::info!(export = %self.job.id, "released export lease");
+        Ok(())
+    }
+
+    /// Gives the job back after a run that cannot go on (an error that outlived its retries):
+    /// claimable at once instead of after the lease expires; the next claim counts an attempt and
+    /// verifies the checkpoints again.
+    pub async fn give_back(self) -> anyhow::Result<()> {
+        fenced::give_back(&self.deps.pool, self.lease).await?;
+        tracing::info!(export = %self.job.id, "gave the export back after an error");
         Ok(())
     }
 
@@ -172,7 +206,7 @@ impl ClaimedExport {
         match self.heartbeat.beat().await? {
             Ok(ExportState::Running) => Ok(None),
             Ok(ExportState::CancelRequested) => Ok(Some(self.finish_cancel().await?)),
-            _ => Ok(Some(Step::LeaseLost)),
+            _ => Ok(Some(self.after_refused_write().await?)),
         }
     }
 
@@ -412,11 +446,18 @@ impl ClaimedExport {
         }
     }
 
-    /// A fenced write matched nothing: a cancel request (still our generation) or a takeover.
+    /// A fenced write matched nothing: a cancel request (still our generation), a takeover, or
+    /// our own terminal write whose reply was lost with the connection (a retried step).
     async fn after_refused_write(&mut self) -> anyhow::Result<Step> {
-        let (state, generation) = fenced::current(&self.deps.pool, self.job.id).await?;
-        if state == ExportState::CancelRequested && generation == self.lease.generation {
-            return self.finish_cancel().await;
+        let (state, generation, error_code) = fenced::current(&self.deps.pool, self.job.id).await?;
+        if generation == self.lease.generation {
+            match state {
+                ExportState::CancelRequested => return self.finish_cancel().await,
+                ExportState::Succeeded => return Ok(Step::Published),
+                ExportState::Cancelled => return Ok(Step::Cancelled),
+                ExportState::Failed => return Ok(Step::Failed { code: error_code.unwrap_or_default() }),
+                _ => {}
+            }
         }
         tracing::info!(export = %self.job.id, generation = self.lease.generation, "lease lost; stopping");
         Ok(Step::LeaseLost)

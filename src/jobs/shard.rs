@@ -85,31 +85,40 @@ where
     let mut rows = 0u64;
     let mut first_key = None;
     let mut last_key: Option<String> = job.after.clone();
-    let stop = loop {
-        rows += page.rows.len() as u64;
-        if rows > job.rows_allowed {
-            break Some(ShardStop::TooManyRows);
+    // Errors are held until the encoder has finished, so its temp file never outlives the shard.
+    let stop: anyhow::Result<Option<ShardStop>> = async {
+        loop {
+            rows += page.rows.len() as u64;
+            if rows > job.rows_allowed {
+                return Ok(Some(ShardStop::TooManyRows));
+            }
+            first_key = first_key.take().or(page.first);
+            last_key = page.last.or(last_key.take());
+            if !page.rows.is_empty() && pages.send(page.rows).await.is_err() {
+                return Ok(None); // the encoder failed; its error is reported below
+            }
+            if rows >= job.shard_rows || page.exhausted {
+                return Ok((rows == 0 && !job.is_first).then_some(ShardStop::NoRows));
+            }
+            if !keep_going().await? {
+                return Ok(Some(ShardStop::Interrupted));
+            }
+            limit = job.page_rows.min(job.shard_rows - rows) as i64;
+            prepaid = pay(job.scan, job.tenant, prepaid, limit as u64).await;
+            page = job.source.page(pool, last_key.as_deref(), limit).await.context("reading records")?;
         }
-        first_key = first_key.or(page.first);
-        last_key = page.last.or(last_key);
-        if !page.rows.is_empty() && pages.send(page.rows).await.is_err() {
-            break None; // the encoder failed; its error is reported below
-        }
-        if rows >= job.shard_rows || page.exhausted {
-            break (rows == 0 && !job.is_first).then_some(ShardStop::NoRows);
-        }
-        if !keep_going().await? {
-            break Some(ShardStop::Interrupted);
-        }
-        limit = job.page_rows.min(job.shard_rows - rows) as i64;
-        prepaid = pay(job.scan, job.tenant, prepaid, limit as u64).await;
-        page = job.source.page(pool, last_key.as_deref(), limit).await.context("reading records")?;
-    };
+    }
+    .await;
     drop(pages);
     let (temp, file, digest) = encoder.await.context("shard encoder panicked")?.context("encoding shard")?;
-    if let Some(stop) = stop {
+    let unfinished = match stop {
+        Ok(None) => None,
+        Ok(Some(stop)) => Some(Ok(Err(stop))),
+        Err(e) => Some(Err(e)),
+    };
+    if let Some(outcome) = unfinished {
         let _ = std::fs::remove_file(&temp);
-        return Ok(Err(stop));
+        return outcome;
     }
     let store = job.store.clone();
     let key = job.object_key.clone();

@@ -21,6 +21,7 @@ use crate::tenants::{Registry, TenantId};
 
 /// Locks the tenant's usage row (creating it) for the rest of the transaction: every quota
 /// decision of one tenant (queued exports, stored bytes, egress) then counts after the previous.
+/// It is the first row lock of any transaction that takes it (lock order: `jobs::fenced`).
 pub async fn lock_tenant(tx: &mut sqlx::PgConnection, tenant: &str) -> sqlx::Result<()> {
     sqlx::query(
         "INSERT INTO tenant_usage (tenant) VALUES ($1)

@@ -36,7 +36,17 @@ pub enum WriteError {
     Database(#[from] sqlx::Error),
 }
 
-/// Validates and writes a batch in one transaction: all records or none.
+/// Runs of a batch that lost a deadlock or serialization race (against a host transaction
+/// writing the same keys in another order) before the error reaches the client.
+const BATCH_TRIES: u32 = 4;
+
+fn lost_race(error: &sqlx::Error) -> bool {
+    error.as_database_error().and_then(|d| d.code()).is_some_and(|code| code == "40P01" || code == "40001")
+}
+
+/// Validates and writes a batch in one transaction: all records or none. Keys are locked in key
+/// order, so two batches never deadlock each other; a batch that deadlocks with a host
+/// transaction is run again, a few times.
 pub async fn write_batch(
     pool: &PgPool,
     tenant: &TenantId,
@@ -60,13 +70,27 @@ pub async fn write_batch(
             }
         }
     }
-    let result = sqlx::query("SELECT exportd_write_batch($1, $2, $3, $4)")
-        .bind(tenant.as_str())
-        .bind(dataset.as_str())
-        .bind(&keys)
-        .bind(&data)
-        .execute(pool)
-        .await;
+    let mut delays = crate::db::retry_delays();
+    let mut tries = 1;
+    let result = loop {
+        let result = sqlx::query("SELECT exportd_write_batch($1, $2, $3, $4)")
+            .bind(tenant.as_str())
+            .bind(dataset.as_str())
+            .bind(&keys)
+            .bind(&data)
+            .execute(pool)
+            .await;
+        match result {
+            // The batch is one statement: a deadlock or serialization victim was rolled back
+            // whole, so running it again cannot write anything twice. (A lost connection is
+            // ambiguous — the commit may have happened — and is left to the client.)
+            Err(e) if lost_race(&e) && tries < BATCH_TRIES => {
+                tries += 1;
+                tokio::time::sleep(delays.next().unwrap_or_default()).await;
+            }
+            other => break other,
+        }
+    };
     match result {
         Ok(_) => Ok(outcome),
         Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some(INVALID_RECORD_SQLSTATE) => {

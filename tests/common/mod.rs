@@ -1,6 +1,8 @@
 //! Shared test harness: the real app on a real port, over a fresh database per test.
 #![allow(dead_code)] // each test binary uses a different part of the harness
 
+pub mod processes;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -226,6 +228,20 @@ impl TestApp {
             .await
             .expect("request sent")
     }
+}
+
+/// A full CSV export request of `tickets` in shards of `shard_rows`.
+pub fn full_csv(shard_rows: u32) -> Value {
+    serde_json::json!({"dataset": "tickets", "format": "csv", "shard_rows": shard_rows})
+}
+
+/// Ends the job's lease now, as if its worker had stalled past it.
+pub async fn expire_lease(pool: &PgPool, id: &str) {
+    sqlx::query("UPDATE export_jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1::uuid")
+        .bind(id)
+        .execute(pool)
+        .await
+        .unwrap();
 }
 
 /// The body of a problem+json response, after checking its content type.

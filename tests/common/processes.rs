@@ -1,0 +1,117 @@
+//! `exportd` as real processes over a test's database, and the database conditions fault tests
+//! wait on.
+
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use sqlx::PgPool;
+
+use super::{LINK_KEYS, fixture_tenants_dir};
+
+/// The URL of the test's own database (`DATABASE_URL` names the server).
+pub async fn database_url(pool: &PgPool) -> String {
+    let name: String = sqlx::query_scalar("SELECT current_database()").fetch_one(pool).await.unwrap();
+    let server = std::env::var("DATABASE_URL").expect("DATABASE_URL names the test server");
+    let base = server.split('?').next().unwrap();
+    format!("{}/{name}", base.rsplit_once('/').map_or(base, |(server, _)| server))
+}
+
+/// An `exportd worker` process; its log goes to `log`.
+pub fn spawn_worker(database_url: &str, data_dir: &Path, log: &Path, workers: usize, lease_ttl: &str) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_exportd"))
+        .args(["worker", "--workers", &workers.to_string()])
+        .env("DATABASE_URL", database_url)
+        .env("EXPORTD_TENANTS_DIR", fixture_tenants_dir())
+        .env("EXPORTD_DATA_DIR", data_dir)
+        .env("EXPORTD_LINK_KEYS", LINK_KEYS)
+        .env("EXPORTD_LEASE_TTL", lease_ttl)
+        .env("EXPORTD_LOG", "warn")
+        .env_remove("RUST_BACKTRACE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap())
+        .spawn()
+        .expect("exportd worker starts")
+}
+
+/// Sends SIGTERM (what a supervisor sends to stop a service).
+pub fn terminate(child: &Child) {
+    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+}
+
+/// Waits for the process to exit, at most `within`.
+pub async fn wait_exit(child: &mut Child, within: Duration) -> Option<ExitStatus> {
+    let start = Instant::now();
+    while start.elapsed() < within {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+/// Polls the job until it reaches a terminal state; returns that state (panics after `within`).
+pub async fn wait_terminal(pool: &PgPool, export_id: &str, within: Duration) -> String {
+    let start = Instant::now();
+    loop {
+        let state: String = sqlx::query_scalar("SELECT state FROM export_jobs WHERE id = $1::uuid")
+            .bind(export_id)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        if !matches!(state.as_str(), "QUEUED" | "RUNNING" | "CANCEL_REQUESTED") {
+            return state;
+        }
+        assert!(start.elapsed() < within, "export {export_id} still {state} after {within:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Terminates every other connection to this database (a failover, a network blip); returns
+/// how many.
+pub async fn terminate_backends(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// `deadlock detected` errors PostgreSQL raised in this database so far. Every other backend is
+/// ended first (and waited for): a backend flushes its statistics when it exits.
+pub async fn deadlocks(pool: &PgPool) -> i64 {
+    let mut conn = pool.acquire().await.unwrap();
+    terminate_backends_on(&mut conn).await;
+    for _ in 0..200 {
+        let others: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        if others == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        terminate_backends_on(&mut conn).await;
+    }
+    sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap()
+}
+
+async fn terminate_backends_on(conn: &mut sqlx::PgConnection) {
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .execute(conn)
+    .await
+    .unwrap();
+}
