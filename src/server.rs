@@ -72,7 +72,7 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     handles.push(spawn_cleaner(&deps, clock.clone(), options.clean_every, &shutdown));
     handles.push(tokio::spawn(feeds::run_ticker(pool.clone(), TICK_EVERY, shutdown.clone())));
     let limits = Arc::new(RateLimits::new(&registry));
-    handles.push(tokio::spawn(forget_idle_rate_keys(limits.clone(), shutdown.clone())));
+    handles.push(tokio::spawn(crate::quota::run_housekeeping(limits.clone(), pool.clone(), shutdown.clone())));
     let state = AppState {
         pool: pool.clone(),
         registry,
@@ -93,15 +93,6 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     export_pool.close().await;
     tracing::info!("exportd stopped");
     Ok(())
-}
-
-async fn forget_idle_rate_keys(limits: Arc<RateLimits>, mut shutdown: watch::Receiver<bool>) {
-    while !*shutdown.borrow() {
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_secs(60)) => limits.retain_recent(),
-            _ = shutdown.changed() => {}
-        }
-    }
 }
 
 fn spawn_cleaner(

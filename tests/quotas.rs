@@ -53,8 +53,9 @@ async fn a_burst_over_the_api_rate_gets_429_then_recovers(pool: PgPool) {
     // Waiting what the server said is enough.
     tokio::time::sleep(std::time::Duration::from_secs(retry)).await;
     assert_eq!(app.get(Some(&token), "/v1/datasets").await.status(), 200);
+    // Counted in memory and flushed about every second.
     let counted = async {
-        for _ in 0..100 {
+        for _ in 0..500 {
             let n: Option<i64> = sqlx::query_scalar("SELECT rate_limited FROM tenant_usage WHERE tenant = 'initech'")
                 .fetch_optional(&app.pool)
                 .await

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use super::state::AppState;
 use crate::auth::{self, Caller};
 use crate::exports::{self, ExportJob};
-use crate::quota::{self, Usage};
+use crate::quota::Usage;
 
 const COOKIE_NAME: &str = "exportd_session";
 const CSP: &str = "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'";
@@ -49,7 +49,10 @@ async fn dashboard(State(state): State<AppState>, headers: HeaderMap) -> Respons
     let Some(caller) = token(&headers).and_then(|t| admin(&state, t)) else {
         return page(StatusCode::OK, &sign_in_form(None));
     };
-    let usage = quota::usage(&state.pool, &caller.tenant, state.clock.now()).await;
+    if let Err(refused) = super::extract::admit(&state, &caller) {
+        return refused.into_response();
+    }
+    let usage = super::usage::tenant_usage(&state, &caller.tenant).await;
     let recent = exports::list(&state.pool, &caller, None, None, 20).await;
     match (usage, recent) {
         (Ok(usage), Ok(recent)) => page(StatusCode::OK, &render(&caller, &usage, &recent.jobs)),

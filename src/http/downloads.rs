@@ -13,13 +13,14 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
+use tokio::sync::OwnedSemaphorePermit;
 use utoipa::IntoParams;
 use utoipa_axum::{router::OpenApiRouter, routes};
 use uuid::Uuid;
 
 use super::error::{ApiError, ApiResult};
 use super::exports::export_id;
-use super::extract::{Path, Query, caller_from_headers};
+use super::extract::{Path, Query, admit, caller_from_headers};
 use super::range::{RangeAnswer, decide};
 use super::state::AppState;
 use crate::auth::Caller;
@@ -106,6 +107,7 @@ async fn serve(
             }
             None => caller_from_headers(state, headers)?,
         };
+        admit(state, &caller)?;
         let download = download::open(&state.pool, &caller, export_id(id)?, object).await?;
         Ok::<_, ApiError>((caller, download))
     }
@@ -140,14 +142,24 @@ async fn serve(
         bytes: Some(bytes),
     };
     if method == Method::HEAD {
-        return respond(&state.store, &download, answer, len);
+        return respond(&state.store, &download, answer, len, None);
     }
+    let Some(slot) = state.limits.download_slot(&caller.tenant.id) else {
+        metrics::counter!("exportd_quota_rejections_total", "kind" => "downloads").increment(1);
+        let mut e = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too-many-downloads",
+            "the tenant's max_concurrent_downloads are streaming; retry when one has finished",
+        );
+        e.retry_after_seconds = Some(1);
+        return e.into_response();
+    };
     // The download is admitted, and its bytes recorded, within today's egress quota.
     match quota::admit_download(&state.pool, &caller.tenant, event(status, bytes), state.clock.now()).await {
         Ok(Ok(())) => {
             metrics::counter!("exportd_downloads_total", "status" => status.as_str().to_owned()).increment(1);
             metrics::counter!("exportd_egress_bytes_total", "tenant" => caller.tenant.id.to_string()).increment(bytes);
-            respond(&state.store, &download, answer, len)
+            respond(&state.store, &download, answer, len, Some(slot))
         }
         Ok(Err(wait)) => {
             metrics::counter!("exportd_downloads_total", "status" => "429").increment(1);
@@ -185,7 +197,15 @@ fn caller_from_link(state: &AppState, token: &str, id: &str, object: Object) -> 
     Ok(Caller { tenant: tenant.clone(), principal: principal.clone() })
 }
 
-fn respond(store: &ArtifactStore, download: &Download, answer: RangeAnswer, len: u64) -> Response {
+/// The response for `answer`; `slot` (the tenant's concurrent-download permit) is held until the
+/// body has been sent or the client left.
+fn respond(
+    store: &ArtifactStore,
+    download: &Download,
+    answer: RangeAnswer,
+    len: u64,
+    slot: Option<OwnedSemaphorePermit>,
+) -> Response {
     let etag = HeaderValue::from_str(&download.etag).expect("hex");
     let (status, start, end) = match answer {
         RangeAnswer::Unsatisfiable => {
@@ -207,7 +227,7 @@ fn respond(store: &ArtifactStore, download: &Download, answer: RangeAnswer, len:
     let body_len = if len == 0 { 0 } else { end - start + 1 };
     let segments = if len == 0 { Vec::new() } else { download.layout.slice(start, end) };
     let disposition = format!("attachment; filename=\"{}\"", download.filename);
-    let mut response = (status, stream(store.clone(), segments)).into_response();
+    let mut response = (status, stream(store.clone(), segments, slot)).into_response();
     let headers = response.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/gzip"));
     headers.insert(CONTENT_LENGTH, HeaderValue::from(body_len));
@@ -222,9 +242,10 @@ fn respond(store: &ArtifactStore, download: &Download, answer: RangeAnswer, len:
 
 /// A body that reads the segments in order. A task reads ahead at most a few chunks; when the
 /// client goes away the channel closes and the task stops.
-fn stream(store: ArtifactStore, segments: Vec<Segment>) -> Body {
+fn stream(store: ArtifactStore, segments: Vec<Segment>, slot: Option<OwnedSemaphorePermit>) -> Body {
     let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(4);
     tokio::spawn(async move {
+        let _slot = slot;
         for segment in segments {
             let sent = match segment {
                 Segment::Inline(bytes) => tx.send(Ok(Bytes::from(bytes))).await.is_ok(),

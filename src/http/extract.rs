@@ -16,36 +16,24 @@ impl FromRequestParts<AppState> for Caller {
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
         let caller = caller_from_headers(state, &parts.headers)?;
-        if let Err(wait) = state.limits.check_api(&caller) {
-            metrics::counter!("exportd_quota_rejections_total", "kind" => "rate").increment(1);
-            count_rate_limited(state, caller.tenant.id.as_str());
-            let mut e = ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate-limited",
-                "too many requests: the tenant's api_requests_per_second is exceeded",
-            );
-            e.retry_after_seconds = Some(wait.as_secs_f64().ceil().max(1.0) as u64);
-            return Err(e);
-        }
+        admit(state, &caller)?;
         Ok(caller)
     }
 }
 
-/// Counts a refusal for the usage API, without holding up the response.
-fn count_rate_limited(state: &AppState, tenant: &str) {
-    let (pool, tenant) = (state.pool.clone(), tenant.to_owned());
-    tokio::spawn(async move {
-        let counted = sqlx::query(
-            "INSERT INTO tenant_usage (tenant, rate_limited) VALUES ($1, 1)
-             ON CONFLICT ON CONSTRAINT tenant_usage_pkey DO UPDATE SET rate_limited = tenant_usage.rate_limited + 1",
-        )
-        .bind(&tenant)
-        .execute(&pool)
-        .await;
-        if let Err(e) = counted {
-            tracing::warn!(error = %e, "could not count a rate-limited request");
-        }
-    });
+/// Takes one request from the caller's API rate: every authenticated request pays, whatever
+/// the route or credential (bearer token, download link, dashboard session). A refusal is a 429
+/// that costs no database work (it is counted in memory).
+pub fn admit(state: &AppState, caller: &Caller) -> Result<(), ApiError> {
+    let Err(wait) = state.limits.check_api(caller) else { return Ok(()) };
+    metrics::counter!("exportd_quota_rejections_total", "kind" => "rate").increment(1);
+    let mut e = ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        "rate-limited",
+        "too many requests: the tenant's api_requests_per_second is exceeded",
+    );
+    e.retry_after_seconds = Some(wait.as_secs_f64().ceil().max(1.0) as u64);
+    Err(e)
 }
 
 /// The caller named by the `Authorization: Bearer` header, or a 401.

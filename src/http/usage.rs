@@ -19,5 +19,12 @@ async fn usage(State(state): State<AppState>, caller: Caller) -> ApiResult<axum:
     if !caller.principal.is_admin() {
         return Err(ApiError::forbidden("only tenant admins can read usage"));
     }
-    Ok(axum::Json(quota::usage(&state.pool, &caller.tenant, state.clock.now()).await?))
+    Ok(axum::Json(tenant_usage(&state, &caller.tenant).await?))
+}
+
+/// The usage report, with the rate-limit refusals this process counted and has not flushed yet.
+pub(super) async fn tenant_usage(state: &AppState, tenant: &crate::tenants::Tenant) -> sqlx::Result<Usage> {
+    let mut usage = quota::usage(&state.pool, tenant, state.clock.now()).await?;
+    usage.usage.rate_limited_requests += state.limits.unflushed_refusals(&tenant.id) as i64;
+    Ok(usage)
 }

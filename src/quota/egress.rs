@@ -1,6 +1,8 @@
 //! The daily egress quota: a download is admitted only if today's bytes plus its own stay within
-//! `egress_bytes_per_day`. The check and the record (the audit event carrying the bytes) share a
-//! transaction that holds the tenant's usage row, so concurrent downloads cannot both slip in.
+//! `egress_bytes_per_day`. Today's bytes are a counter on the tenant's usage row (reset when the
+//! UTC day changes), checked and advanced by one conditional update in the transaction that
+//! records the audit event, so concurrent downloads cannot both slip in and the cost does not
+//! grow with the number of downloads.
 
 use std::time::Duration;
 
@@ -20,15 +22,19 @@ pub async fn admit_download(
     let midnight = now.replace_time(time::Time::MIDNIGHT);
     let mut tx = pool.begin().await?;
     crate::quota::lock_tenant(&mut tx, tenant.id.as_str()).await?;
-    let today: i64 = sqlx::query_scalar(
-        "SELECT coalesce(sum(bytes), 0)::bigint FROM audit_log WHERE tenant = $1 AND action = 'downloaded' AND at >= $2",
+    let wanted = event.bytes.unwrap_or(0);
+    let admitted = sqlx::query(
+        "UPDATE tenant_usage SET egress_day = $2,
+             egress_bytes = CASE WHEN egress_day = $2 THEN egress_bytes ELSE 0 END + $3
+         WHERE tenant = $1 AND CASE WHEN egress_day = $2 THEN egress_bytes ELSE 0 END + $3 <= $4",
     )
     .bind(tenant.id.as_str())
-    .bind(midnight)
-    .fetch_one(&mut *tx)
+    .bind(now.date())
+    .bind(wanted as i64)
+    .bind(i64::try_from(tenant.quota.egress_bytes_per_day).unwrap_or(i64::MAX))
+    .execute(&mut *tx)
     .await?;
-    let wanted = event.bytes.unwrap_or(0);
-    if today as u64 + wanted > tenant.quota.egress_bytes_per_day {
+    if admitted.rows_affected() == 0 {
         let tomorrow = midnight + time::Duration::days(1);
         // Rounded up: retrying after this many seconds lands in the next day.
         return Ok(Err(Duration::from_secs((tomorrow - now).whole_seconds().max(0) as u64 + 1)));
@@ -36,4 +42,15 @@ pub async fn admit_download(
     insert(&mut *tx, &event).await?;
     tx.commit().await?;
     Ok(Ok(()))
+}
+
+/// Bytes downloaded today (UTC) by the tenant's principals.
+pub async fn egress_today(pool: &PgPool, tenant: &str, now: OffsetDateTime) -> sqlx::Result<i64> {
+    let bytes: Option<i64> =
+        sqlx::query_scalar("SELECT egress_bytes FROM tenant_usage WHERE tenant = $1 AND egress_day = $2")
+            .bind(tenant)
+            .bind(now.date())
+            .fetch_optional(pool)
+            .await?;
+    Ok(bytes.unwrap_or(0))
 }

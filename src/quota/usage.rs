@@ -63,13 +63,7 @@ pub async fn usage(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sqlx:
     .bind(id)
     .fetch_one(pool)
     .await?;
-    let egress: i64 = sqlx::query_scalar(
-        "SELECT coalesce(sum(bytes), 0)::bigint FROM audit_log WHERE tenant = $1 AND action = 'downloaded' AND at >= $2",
-    )
-    .bind(id)
-    .bind(midnight)
-    .fetch_one(pool)
-    .await?;
+    let egress = super::egress::egress_today(pool, id, now).await?;
     let rows_today: i64 = sqlx::query_scalar(
         "SELECT coalesce(sum(rows_done), 0)::bigint FROM export_jobs WHERE tenant = $1 AND state IN ('SUCCEEDED', 'EXPIRED', 'REVOKED')
            AND finished_at >= $2",

@@ -14,6 +14,8 @@ pub struct Quota {
     pub api_requests_per_second: u32,
     pub api_burst: u32,
     pub scan_rows_per_second: u32,
+    /// Downloads of the tenant's principals streaming at once, per server process.
+    pub max_concurrent_downloads: u32,
 }
 
 impl Default for Quota {
@@ -27,6 +29,7 @@ impl Default for Quota {
             api_requests_per_second: 20,
             api_burst: 40,
             scan_rows_per_second: 1_000_000,
+            max_concurrent_downloads: 8,
         }
     }
 }
@@ -38,6 +41,7 @@ impl Quota {
             ("max_running_exports", u64::from(self.max_running_exports)),
             ("max_rows_per_export", self.max_rows_per_export),
             ("api_requests_per_second", u64::from(self.api_requests_per_second)),
+            ("max_concurrent_downloads", u64::from(self.max_concurrent_downloads)),
             ("api_burst", u64::from(self.api_burst)),
             ("scan_rows_per_second", u64::from(self.scan_rows_per_second)),
         ];

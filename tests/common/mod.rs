@@ -67,6 +67,12 @@ impl TestApp {
             limits: Arc::new(RateLimits::new(&registry)),
             metrics_token: None,
         };
+        let (keep_running, never) = tokio::sync::watch::channel(false);
+        let (limits, housekeeping_pool) = (state.limits.clone(), state.pool.clone());
+        tokio::spawn(async move {
+            exportd::quota::run_housekeeping(limits, housekeeping_pool, never).await;
+            drop(keep_running);
+        });
         tokio::spawn(http::serve(listener, http::app(state), std::future::pending(), Duration::from_secs(1)));
         TestApp { addr, pool, registry, client: reqwest::Client::new(), data_dir, clock }
     }

@@ -82,9 +82,15 @@ pub async fn terminate_backends(pool: &PgPool) -> i64 {
     .unwrap()
 }
 
-/// `deadlock detected` errors PostgreSQL raised in this database so far. Every other backend is
-/// ended first (and waited for): a backend flushes its statistics when it exits.
+/// `deadlock detected` errors PostgreSQL raised in this database so far.
 pub async fn deadlocks(pool: &PgPool) -> i64 {
+    database_stat(pool, "deadlocks").await
+}
+
+/// A counter of `pg_stat_database` for this database (`deadlocks`, `xact_commit`…). Every other
+/// backend is ended first, and waited for: a backend flushes its statistics when it exits.
+pub async fn database_stat(pool: &PgPool, column: &str) -> i64 {
+    assert!(column.chars().all(|c| c.is_ascii_lowercase() || c == '_'));
     let mut conn = pool.acquire().await.unwrap();
     terminate_backends_on(&mut conn).await;
     for _ in 0..200 {
@@ -100,10 +106,8 @@ pub async fn deadlocks(pool: &PgPool) -> i64 {
         tokio::time::sleep(Duration::from_millis(25)).await;
         terminate_backends_on(&mut conn).await;
     }
-    sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
-        .fetch_one(&mut *conn)
-        .await
-        .unwrap()
+    let sql = format!("SELECT {column} FROM pg_stat_database WHERE datname = current_database()");
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&mut *conn).await.unwrap()
 }
 
 async fn terminate_backends_on(conn: &mut sqlx::PgConnection) {

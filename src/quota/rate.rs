@@ -1,0 +1,145 @@
+//! In-process admission limits. API rates with `governor`: one keyed limiter per tenant (its own
+//! quota), keyed by the tenant for admins and by tenant + principal for partners. A refusal costs
+//! no database work: it is counted in memory and the counts are flushed in one statement every
+//! second or so. Concurrent downloads: a semaphore per tenant.
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use governor::clock::{Clock, DefaultClock};
+use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+use sqlx::PgPool;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::auth::Caller;
+use crate::tenants::{Registry, TenantId};
+
+pub struct RateLimits {
+    api: HashMap<TenantId, DefaultKeyedRateLimiter<String>>,
+    /// Refusals not yet added to `tenant_usage.rate_limited`.
+    refused: HashMap<TenantId, AtomicU64>,
+    downloads: HashMap<TenantId, Arc<Semaphore>>,
+    clock: DefaultClock,
+}
+
+impl RateLimits {
+    pub fn new(registry: &Registry) -> RateLimits {
+        let api = registry
+            .tenants()
+            .map(|t| {
+                let rate = NonZeroU32::new(t.quota.api_requests_per_second).expect("validated > 0");
+                let burst = NonZeroU32::new(t.quota.api_burst).expect("validated > 0");
+                (t.id.clone(), RateLimiter::keyed(Quota::per_second(rate).allow_burst(burst)))
+            })
+            .collect();
+        let refused = registry.tenants().map(|t| (t.id.clone(), AtomicU64::new(0))).collect();
+        let downloads = registry
+            .tenants()
+            .map(|t| (t.id.clone(), Arc::new(Semaphore::new(t.quota.max_concurrent_downloads as usize))))
+            .collect();
+        RateLimits { api, refused, downloads, clock: DefaultClock::default() }
+    }
+
+    /// A slot for one streaming download of the tenant, held until the body ends; `None` when
+    /// `max_concurrent_downloads` are streaming already.
+    pub fn download_slot(&self, tenant: &TenantId) -> Option<OwnedSemaphorePermit> {
+        self.downloads.get(tenant)?.clone().try_acquire_owned().ok()
+    }
+
+    /// Takes one request from the caller's bucket; `Err(wait)` when it is empty (the refusal is
+    /// counted in memory).
+    pub fn check_api(&self, caller: &Caller) -> Result<(), Duration> {
+        let Some(limiter) = self.api.get(&caller.tenant.id) else { return Ok(()) };
+        let key = if caller.principal.is_admin() { String::new() } else { caller.principal.id.to_string() };
+        limiter.check_key(&key).map_err(|not_until| {
+            if let Some(count) = self.refused.get(&caller.tenant.id) {
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+            not_until.wait_time_from(self.clock.now())
+        })
+    }
+
+    /// Refusals of this tenant counted here and not yet flushed.
+    pub fn unflushed_refusals(&self, tenant: &TenantId) -> u64 {
+        self.refused.get(tenant).map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+
+    /// Adds the refusals counted since the last flush to `tenant_usage.rate_limited`, in one
+    /// statement. On failure the counts are kept for the next flush: nothing is lost.
+    pub async fn flush_refusals(&self, pool: &PgPool) -> sqlx::Result<()> {
+        let taken: Vec<(&TenantId, u64)> =
+            self.refused.iter().map(|(t, c)| (t, c.swap(0, Ordering::Relaxed))).filter(|(_, n)| *n > 0).collect();
+        if taken.is_empty() {
+            return Ok(());
+        }
+        let tenants: Vec<&str> = taken.iter().map(|(t, _)| t.as_str()).collect();
+        let counts: Vec<i64> = taken.iter().map(|(_, n)| *n as i64).collect();
+        let flushed = sqlx::query(
+            "INSERT INTO tenant_usage (tenant, rate_limited) SELECT * FROM unnest($1::text[], $2::bigint[])
+             ON CONFLICT ON CONSTRAINT tenant_usage_pkey
+             DO UPDATE SET rate_limited = tenant_usage.rate_limited + EXCLUDED.rate_limited",
+        )
+        .bind(&tenants)
+        .bind(&counts)
+        .execute(pool)
+        .await;
+        if flushed.is_err() {
+            for (tenant, n) in &taken {
+                self.refused[*tenant].fetch_add(*n, Ordering::Relaxed);
+            }
+        }
+        flushed.map(|_| ())
+    }
+
+    /// Forgets idle keys (call periodically: the key maps would otherwise only grow).
+    pub fn retain_recent(&self) {
+        for limiter in self.api.values() {
+            limiter.retain_recent();
+            limiter.shrink_to_fit();
+        }
+    }
+}
+
+/// Flushes refusal counts every second and forgets idle limiter keys every minute, until
+/// `shutdown`; flushes once more on the way out.
+pub async fn run_housekeeping(
+    limits: std::sync::Arc<RateLimits>,
+    pool: PgPool,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut ticks = 0u64;
+    while !*shutdown.borrow() {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = shutdown.changed() => {}
+        }
+        if let Err(e) = limits.flush_refusals(&pool).await {
+            tracing::warn!(error = %e, "could not flush rate-limit refusal counts; keeping them for the next try");
+        }
+        ticks += 1;
+        if ticks.is_multiple_of(60) {
+            limits.retain_recent();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tenant_gets_at_most_its_concurrent_download_slots_and_they_come_back() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tenants");
+        let registry = Registry::load(&dir).unwrap();
+        let limits = RateLimits::new(&registry);
+        let acme = TenantId::parse("acme").unwrap();
+        let max = registry.get("acme").unwrap().quota.max_concurrent_downloads as usize;
+        let held: Vec<_> = (0..max).map(|_| limits.download_slot(&acme).expect("a slot")).collect();
+        assert!(limits.download_slot(&acme).is_none(), "one more is refused");
+        drop(held);
+        assert!(limits.download_slot(&acme).is_some(), "slots return when downloads end");
+    }
+}

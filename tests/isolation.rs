@@ -1,0 +1,58 @@
+//! Tenant isolation under hostile load: what a refusal costs, and which requests pay the rate.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{TestApp, full_csv, problem};
+use serde_json::Value;
+use sqlx::PgPool;
+
+/// Transactions committed in this database so far.
+async fn committed(pool: &PgPool) -> i64 {
+    common::processes::database_stat(pool, "xact_commit").await
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_flood_of_refused_requests_costs_no_database_work_and_is_still_counted(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let partner = app.token("initech", "milton"); // 2 requests/s, burst 3
+    let before = committed(&app.pool).await;
+    let statuses = futures_util::future::join_all((0..400).map(|_| app.get(Some(&partner), "/v1/datasets"))).await;
+    let refused = statuses.iter().filter(|r| r.status() == 429).count();
+    assert!(refused >= 390, "{refused} of 400 refused");
+    let during = committed(&app.pool).await - before;
+    // The only database work in that time: the statistics reads here and a flush a second.
+    assert!(during < 40, "{during} transactions for {refused} refusals");
+    let mut counted = 0;
+    for _ in 0..300 {
+        counted = sqlx::query_scalar::<_, i64>("SELECT rate_limited FROM tenant_usage WHERE tenant = 'initech'")
+            .fetch_optional(&app.pool)
+            .await
+            .unwrap()
+            .unwrap_or(0);
+        if counted >= refused as i64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(counted, refused as i64, "every refusal is counted, in batches");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn downloads_pay_the_api_rate_like_every_other_request(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("initech", "tickets", 20).await;
+    let admin = app.token("initech", "bill"); // 2 requests/s, burst 3
+    let id = app.export(&admin, &full_csv(10)).await;
+    app.drain().await;
+    tokio::time::sleep(Duration::from_secs(2)).await; // the bucket refills
+    let status: Value = app.get(Some(&admin), &format!("/v1/exports/{id}")).await.json().await.unwrap();
+    let link = status["links"]["file"].as_str().unwrap().to_owned();
+    let responses = futures_util::future::join_all((0..8).map(|_| app.get(None, &link))).await;
+    let ok = responses.iter().filter(|r| r.status() == 200).count();
+    assert!((1..=3).contains(&ok), "{ok} of 8 link downloads admitted");
+    let refused = responses.into_iter().find(|r| r.status() == 429).expect("some were refused");
+    assert!(refused.headers().contains_key("retry-after"));
+    assert_eq!(problem(refused).await["code"], "rate-limited");
+}
