@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use exportd::client::{DownloadOptions, PullOptions};
 use exportd::config::Settings;
+use exportd::http::ConnectionLimits;
 use exportd::server::ServeOptions;
 use exportd::tenants::Registry;
 
@@ -39,6 +40,14 @@ enum Command {
         /// When set, `GET /metrics` requires `Authorization: Bearer <token>`.
         #[arg(long, env = "EXPORTD_METRICS_TOKEN", hide_env_values = true)]
         metrics_token: Option<String>,
+        /// Open client connections at most (kept under RLIMIT_NOFILE minus a reserve); past it the
+        /// connection silent the longest is closed.
+        #[arg(long, env = "EXPORTD_MAX_CONNECTIONS", default_value_t = 4096)]
+        max_connections: usize,
+        /// A client must send a whole request head within this long of connecting or of its
+        /// previous response (bounds idle keep-alive too).
+        #[arg(long, env = "EXPORTD_HEADER_TIMEOUT", default_value = "15s", value_parser = humantime::parse_duration)]
+        header_timeout: Duration,
     },
     /// Run export workers only (scale out: any number of processes on any machines).
     Worker {
@@ -132,8 +141,9 @@ async fn main() -> anyhow::Result<()> {
     exportd::telemetry::init();
     let settings = cli.settings;
     match cli.command {
-        Command::Serve { listen, workers, link_ttl, clean_every, metrics_token } => {
-            let options = ServeOptions { listen, workers, link_ttl, clean_every, metrics_token };
+        Command::Serve { listen, workers, link_ttl, clean_every, metrics_token, max_connections, header_timeout } => {
+            let connections = ConnectionLimits { max_connections, header_read_timeout: header_timeout };
+            let options = ServeOptions { listen, workers, link_ttl, clean_every, metrics_token, connections };
             exportd::server::serve(&settings, options).await
         }
         Command::Worker { workers, exit_when_idle } => exportd::server::work(&settings, workers, exit_when_idle).await,

@@ -53,6 +53,7 @@ pub struct ServeOptions {
     pub link_ttl: Duration,
     pub clean_every: Duration,
     pub metrics_token: Option<String>,
+    pub connections: http::ConnectionLimits,
 }
 
 /// `exportd serve`: the HTTP API, `workers` in-process workers and the cleaner, until SIGINT or
@@ -87,7 +88,7 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     let stopped = async move {
         let _ = http_shutdown.wait_for(|stop| *stop).await;
     };
-    http::serve(listener, http::app(state), stopped, DRAIN).await?;
+    http::serve(listener, http::app(state), options.connections.fit_descriptors(), stopped, DRAIN).await?;
     join_workers(handles).await;
     pool.close().await;
     export_pool.close().await;

@@ -56,3 +56,50 @@ async fn downloads_pay_the_api_rate_like_every_other_request(pool: PgPool) {
     assert!(refused.headers().contains_key("retry-after"));
     assert_eq!(problem(refused).await["code"], "rate-limited");
 }
+
+/// A sibling server that admits 20 connections and waits 1 s for a request head.
+async fn small_server(app: &TestApp) -> String {
+    let limits = exportd::http::ConnectionLimits { max_connections: 20, header_read_timeout: Duration::from_secs(1) };
+    app.sibling_limited(app.registry.clone(), |_| {}, limits).await
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn silent_connections_past_the_limit_do_not_lock_out_a_real_client(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let base = small_server(&app).await;
+    let address = base.trim_start_matches("http://").to_owned();
+    let mut silent = Vec::new();
+    for _ in 0..200 {
+        silent.push(tokio::net::TcpStream::connect(&address).await.unwrap());
+    }
+    let started = std::time::Instant::now();
+    let health = reqwest::Client::new().get(format!("{base}/healthz")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    assert!(started.elapsed() < Duration::from_millis(900), "answered in {:?}", started.elapsed());
+    drop(silent);
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_connection_that_never_finishes_its_request_head_is_closed(pool: PgPool) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let app = TestApp::spawn(pool).await;
+    let base = small_server(&app).await;
+    let address = base.trim_start_matches("http://").to_owned();
+    for opening in [&b""[..], b"GET /healthz HTTP/1.1\r\nHost: x\r\n"] {
+        let mut stream = tokio::net::TcpStream::connect(&address).await.unwrap();
+        stream.write_all(opening).await.unwrap();
+        let started = std::time::Instant::now();
+        let mut buf = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut buf)).await;
+        assert!(read.is_ok(), "closed by the server, not left open");
+        assert!(started.elapsed() >= Duration::from_millis(900), "after the header timeout");
+        assert!(!String::from_utf8_lossy(&buf).contains("200 OK"), "no request was served");
+    }
+    // An idle keep-alive connection is closed the same way after its response.
+    let mut stream = tokio::net::TcpStream::connect(&address).await.unwrap();
+    stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "an idle keep-alive connection is closed");
+    assert!(String::from_utf8_lossy(&buf).starts_with("HTTP/1.1 200 OK"));
+}

@@ -8,6 +8,7 @@ mod exports;
 mod extract;
 mod feeds;
 mod health;
+mod listener;
 mod metrics;
 mod openapi;
 mod range;
@@ -15,7 +16,6 @@ mod records;
 mod state;
 mod usage;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::Router;
@@ -32,6 +32,7 @@ use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
 pub use error::{ApiError, ApiResult};
+pub use listener::{ConnectionLimits, serve};
 pub use state::AppState;
 
 /// Hard cap on request bodies (an ingest batch of 10 000 records fits comfortably).
@@ -97,33 +98,4 @@ async fn drop_untrusted_request_id(mut request: Request) -> Request {
         request.headers_mut().remove(&REQUEST_ID);
     }
     request
-}
-
-/// Serves `app` until `shutdown` resolves, then lets in-flight requests finish for at most
-/// `drain`: one slow download must not hold a deploy hostage.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    app: Router,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    drain: Duration,
-) -> std::io::Result<()> {
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let server = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).with_graceful_shutdown(
-        async move {
-            shutdown.await;
-            let _ = stop_tx.send(true);
-        },
-    );
-    let deadline = async move {
-        let mut stop_rx = stop_rx;
-        let _ = stop_rx.wait_for(|stopped| *stopped).await;
-        tokio::time::sleep(drain).await;
-    };
-    tokio::select! {
-        result = server.into_future() => result,
-        () = deadline => {
-            tracing::warn!(drain_seconds = drain.as_secs(), "connections still open after the drain deadline; closing");
-            Ok(())
-        }
-    }
 }

@@ -73,7 +73,13 @@ impl TestApp {
             exportd::quota::run_housekeeping(limits, housekeeping_pool, never).await;
             drop(keep_running);
         });
-        tokio::spawn(http::serve(listener, http::app(state), std::future::pending(), Duration::from_secs(1)));
+        tokio::spawn(http::serve(
+            listener,
+            http::app(state),
+            http::ConnectionLimits::default(),
+            std::future::pending(),
+            Duration::from_secs(1),
+        ));
         TestApp { addr, pool, registry, client: reqwest::Client::new(), data_dir, clock }
     }
 
@@ -187,6 +193,16 @@ impl TestApp {
 
     /// A sibling server whose state `edit` adjusts (e.g. a metrics token).
     pub async fn sibling_with(&self, registry: Arc<Registry>, edit: impl FnOnce(&mut AppState)) -> String {
+        self.sibling_limited(registry, edit, http::ConnectionLimits::default()).await
+    }
+
+    /// A sibling server with other connection limits.
+    pub async fn sibling_limited(
+        &self,
+        registry: Arc<Registry>,
+        edit: impl FnOnce(&mut AppState),
+        limits: http::ConnectionLimits,
+    ) -> String {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().unwrap();
         let mut state = AppState {
@@ -200,7 +216,7 @@ impl TestApp {
             link_ttl: Duration::from_secs(300),
         };
         edit(&mut state);
-        tokio::spawn(http::serve(listener, http::app(state), std::future::pending(), Duration::from_secs(1)));
+        tokio::spawn(http::serve(listener, http::app(state), limits, std::future::pending(), Duration::from_secs(1)));
         format!("http://{addr}")
     }
 
