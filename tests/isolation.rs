@@ -103,3 +103,64 @@ async fn a_connection_that_never_finishes_its_request_head_is_closed(pool: PgPoo
     assert!(read.is_ok(), "an idle keep-alive connection is closed");
     assert!(String::from_utf8_lossy(&buf).starts_with("HTTP/1.1 200 OK"));
 }
+
+/// The JSON inside a sealed feed cursor (the test knows the server keys).
+fn opened_cursor(cursor: &str) -> Value {
+    let keys = exportd::links::LinkKeys::parse(common::LINK_KEYS).unwrap();
+    serde_json::from_slice(&keys.open("exportd-cursor", cursor).expect("a sealed cursor")).unwrap()
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_partner_never_receives_keys_of_records_outside_its_row_filter(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let partner = app.token("acme", "zenpartner"); // row filter: region = emea
+    let start = app.cursor_now(&partner, "tickets").await;
+    let mut conn = app.pool.acquire().await.unwrap();
+    for (key, region) in [
+        ("a-1", "emea"),
+        ("b-SECRET-amer-merger", "amer"),
+        ("c-1", "emea"),
+        ("e-1", "emea"),
+        ("zzz-SECRET-apac", "apac"),
+    ] {
+        sqlx::query("SELECT exportd_upsert('acme', 'tickets', $1, $2)")
+            .bind(key)
+            .bind(serde_json::json!({"subject": "s", "status": "open", "region": region}))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+    }
+    app.tick().await;
+    app.pass_safety_delay();
+
+    // One change per page: every cursor stops at a key the partner was given.
+    let mut cursor = start.clone();
+    let mut delivered = Vec::new();
+    loop {
+        let page = app.pull(&partner, "tickets", &cursor, 1).await;
+        for change in page["changes"].as_array().unwrap() {
+            delivered.push(change["key"].as_str().unwrap().to_owned());
+        }
+        cursor = page["next_cursor"].as_str().unwrap().to_owned();
+        assert!(!cursor.contains("SECRET") && !page.to_string().contains("SECRET"));
+        let inside = opened_cursor(&cursor);
+        match inside["after"].as_str() {
+            Some(after) => assert!(delivered.iter().any(|k| k == after), "cursor at {after}, not a delivered key"),
+            None => assert_eq!(inside.get("after"), None),
+        }
+        if page["end_of_stream"] == true {
+            break;
+        }
+    }
+    assert_eq!(delivered, vec!["a-1", "c-1", "e-1"]);
+
+    // An incremental export of the same changes: no manifest field names a hidden key.
+    let body = serde_json::json!({"dataset": "tickets", "format": "jsonl", "mode": "incremental", "shard_rows": 1, "since": start});
+    let id = app.export(&partner, &body).await;
+    app.drain().await;
+    let manifest = app.get(Some(&partner), &format!("/v1/exports/{id}/manifest")).await.text().await.unwrap();
+    assert!(!manifest.contains("SECRET"), "{manifest}");
+    let manifest: Value = serde_json::from_str(&manifest).unwrap();
+    assert_eq!(manifest["total_rows"], 3);
+    assert!(!opened_cursor(manifest["next_cursor"].as_str().unwrap()).to_string().contains("SECRET"));
+}

@@ -45,35 +45,69 @@ pub struct Feed<'a> {
     pub seal: Seal,
 }
 
-/// Up to `limit` keys' changes after `position`, crossing window boundaries as needed. Windows
-/// are fixed once cut, so the same cursor reads the same page (or, at the head of the stream,
+/// Keys read from a window at a time (at least) while looking for a page's changes.
+const SCAN_BATCH: usize = 2_000;
+
+/// Up to `limit` changes after `position`, crossing window boundaries as needed. Windows are
+/// fixed once cut, so the same cursor reads the same page (or, at the head of the stream,
 /// possibly more once newer windows are sealed).
+///
+/// Positions only ever name what this partner receives: keys are read past the last change
+/// delivered until `limit` changes are found or the window ends, and the cursor stops at the
+/// last change delivered — never at a key outside the partner's row filter, so neither the
+/// cursor nor the page depends on records the partner may not see.
 pub async fn page(pool: &PgPool, feed: &Feed<'_>, mut position: Cursor, limit: usize) -> sqlx::Result<ChangePage> {
     let mut changes = Vec::new();
-    let mut examined = 0;
     loop {
         let window = next_window(pool, feed.tenant, feed.dataset, &position.from, feed.seal).await?;
         let Some(window) = window else {
             return Ok(ChangePage { changes, next: position, end_of_stream: true });
         };
-        let want = limit - examined;
-        let keys: Vec<String> = sqlx::query_scalar(
-            "SELECT key FROM feed_window_keys WHERE window_id = $1 AND key > $2 ORDER BY key LIMIT $3",
-        )
-        .bind(window.id)
-        .bind(position.after.as_deref().unwrap_or(""))
-        .bind(want as i64)
-        .fetch_all(pool)
-        .await?;
-        examined += keys.len();
-        changes.extend(window_changes(pool, feed, &window, &keys).await?);
-        if keys.len() == want {
-            position.after = keys.last().cloned();
+        let start = position.after.clone().unwrap_or_default();
+        if let Some(last) = collect(pool, feed, &window, &start, limit, &mut changes, |c| c).await? {
+            position.after = Some(last);
             return Ok(ChangePage { changes, next: position, end_of_stream: false });
         }
         position.from = window.to_snapshot.clone();
         position.after = None;
         position.ts = window.to_created_at.unix_timestamp();
+    }
+}
+
+/// Reads `window`'s changes after key `after` into `out` (through `wrap`) until `out` holds
+/// `limit`: then returns the key of the last change taken. `None` when the window ran out first.
+async fn collect<T>(
+    pool: &PgPool,
+    feed: &Feed<'_>,
+    window: &Window,
+    after: &str,
+    limit: usize,
+    out: &mut Vec<T>,
+    wrap: impl Fn(Change) -> T,
+) -> sqlx::Result<Option<String>> {
+    let mut after = after.to_owned();
+    loop {
+        // Without a row filter every key is a change: one read of what is missing suffices.
+        let batch = (limit - out.len()).max(SCAN_BATCH);
+        let keys: Vec<String> = sqlx::query_scalar(
+            "SELECT key FROM feed_window_keys WHERE window_id = $1 AND key > $2 ORDER BY key LIMIT $3",
+        )
+        .bind(window.id)
+        .bind(&after)
+        .bind(batch as i64)
+        .fetch_all(pool)
+        .await?;
+        for change in window_changes(pool, feed, window, &keys).await? {
+            let key = change.key.clone();
+            out.push(wrap(change));
+            if out.len() == limit {
+                return Ok(Some(key));
+            }
+        }
+        match keys.last() {
+            Some(last) if keys.len() == batch => after = last.clone(),
+            _ => return Ok(None),
+        }
     }
 }
 
@@ -85,8 +119,10 @@ pub struct ChainPosition {
 }
 
 /// The changes after `position` (or from the chain's start at `from`), for incremental exports:
-/// up to `limit` keys, stopping after the window that reaches tick `until`. Each change comes
-/// with the position to resume after it. Returns whether the chain is exhausted.
+/// up to `limit`, stopping after the window that reaches tick `until`. Each change comes with
+/// the position to resume after it; like cursors, positions only name changes delivered.
+/// Returns the changes, the position after the last one (or `position`), and whether the chain
+/// is exhausted.
 pub async fn chain_page(
     pool: &PgPool,
     feed: &Feed<'_>,
@@ -100,35 +136,21 @@ pub async fn chain_page(
         Some(p) => (window_by_id(pool, p.window_id).await?, p.after.clone()),
         None => (next_window(pool, feed.tenant, feed.dataset, from, feed.seal).await?, String::new()),
     };
-    let mut examined = 0;
-    let mut last = position.cloned();
-    loop {
-        let Some(w) = window else { return Ok((out, last, true)) };
-        let want = limit - examined;
-        let keys: Vec<String> = sqlx::query_scalar(
-            "SELECT key FROM feed_window_keys WHERE window_id = $1 AND key > $2 ORDER BY key LIMIT $3",
-        )
-        .bind(w.id)
-        .bind(&after)
-        .bind(want as i64)
-        .fetch_all(pool)
-        .await?;
-        examined += keys.len();
-        if let Some(key) = keys.last() {
-            last = Some(ChainPosition { window_id: w.id, after: key.clone() });
-        }
-        for change in window_changes(pool, feed, &w, &keys).await? {
-            out.push((ChainPosition { window_id: w.id, after: change.key.clone() }, change));
-        }
-        if keys.len() == want {
+    while let Some(w) = window {
+        let id = w.id;
+        let wrap = |change: Change| (ChainPosition { window_id: id, after: change.key.clone() }, change);
+        if collect(pool, feed, &w, &after, limit, &mut out, wrap).await?.is_some() {
+            let last = out.last().map(|(p, _)| p.clone());
             return Ok((out, last, false));
         }
         if w.to_tick >= until {
-            return Ok((out, last, true));
+            break;
         }
         window = next_window(pool, feed.tenant, feed.dataset, &w.to_snapshot, feed.seal).await?;
         after = String::new();
     }
+    let last = out.last().map(|(p, _)| p.clone()).or_else(|| position.cloned());
+    Ok((out, last, true))
 }
 
 /// Where a chain from `from` ends once it reaches tick `until`: the snapshot (and its time) the

@@ -1,14 +1,18 @@
-//! Feed cursors: opaque, versioned, tamper-evident positions. A cursor is an HS256 JWT signed
-//! with a server key (the link keys), bound to tenant, principal, dataset and database cluster.
+//! Feed cursors: opaque, versioned, tamper-evident positions, sealed (AES-SIV) with a server key
+//! (the link keys) and bound to tenant, principal, dataset and database cluster. A position only
+//! ever names keys the cursor's principal was given, never one outside its row filter.
 
-use jsonwebtoken::{Algorithm, Header, Validation};
+use jsonwebtoken::{Algorithm, Validation};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
 use crate::links::LinkKeys;
 
 const AUDIENCE: &str = "exportd-cursor";
-const VERSION: u32 = 1;
+/// Sealed cursors.
+const VERSION: u32 = 2;
+/// Signed (readable) cursors of the first release, still accepted.
+const SIGNED_VERSION: u32 = 1;
 
 /// A position in a dataset's change stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -54,16 +58,16 @@ impl Cursor {
         }
     }
 
-    /// The opaque text. Deterministic: the same position always encodes the same way.
+    /// The opaque text: the position sealed (encrypted and authenticated) with the server's
+    /// signing key, so it reveals nothing — no keys, snapshots, transaction ids or cluster id.
+    /// Deterministic: the same position always encodes the same way.
     pub fn encode(&self, keys: &LinkKeys) -> String {
-        let (kid, encoding) = keys.signing_key();
-        let mut header = Header::new(Algorithm::HS256);
-        header.kid = Some(kid.to_owned());
-        jsonwebtoken::encode(&header, self, &encoding).expect("cursors serialize")
+        keys.seal(AUDIENCE, &serde_json::to_vec(self).expect("cursors serialize"))
     }
 
-    /// Verifies and checks the binding to tenant, principal and dataset (any mismatch looks like
-    /// tampering, revealing nothing), then the cluster and age.
+    /// Opens and checks the binding to tenant, principal and dataset (any mismatch looks like
+    /// tampering, revealing nothing), then the cluster and age. Cursors of the first version
+    /// (signed, readable JWTs) are still accepted, so partners keep their place across upgrades.
     pub fn decode(
         keys: &LinkKeys,
         text: &str,
@@ -73,23 +77,38 @@ impl Cursor {
         cluster: &str,
         oldest_ts: i64,
     ) -> Result<Cursor, CursorError> {
-        let header = jsonwebtoken::decode_header(text).map_err(|_| CursorError::Invalid)?;
-        let decoding =
-            keys.decoding_key(header.kid.as_deref().ok_or(CursorError::Invalid)?).ok_or(CursorError::Invalid)?;
-        let mut validation = Validation::new(Algorithm::HS256);
-        validation.set_audience(&[AUDIENCE]);
-        validation.set_required_spec_claims(&["aud", "sub"]);
-        validation.validate_exp = false;
-        let cursor =
-            jsonwebtoken::decode::<Cursor>(text, &decoding, &validation).map_err(|_| CursorError::Invalid)?.claims;
-        if cursor.v != VERSION || cursor.tenant != tenant || cursor.sub != principal || cursor.dataset != dataset {
+        let cursor = match keys.open(AUDIENCE, text) {
+            Some(plain) => serde_json::from_slice::<Cursor>(&plain).map_err(|_| CursorError::Invalid)?,
+            None => decode_signed(keys, text)?,
+        };
+        if !matches!(cursor.v, SIGNED_VERSION | VERSION)
+            || cursor.aud != AUDIENCE
+            || cursor.tenant != tenant
+            || cursor.sub != principal
+            || cursor.dataset != dataset
+        {
             return Err(CursorError::Invalid);
         }
         if cursor.cluster != cluster || cursor.ts < oldest_ts {
             return Err(CursorError::Expired);
         }
-        Ok(cursor)
+        Ok(Cursor { v: VERSION, ..cursor })
     }
+}
+
+/// A first-version cursor: an HS256 JWT signed with a server key.
+fn decode_signed(keys: &LinkKeys, text: &str) -> Result<Cursor, CursorError> {
+    let header = jsonwebtoken::decode_header(text).map_err(|_| CursorError::Invalid)?;
+    let decoding = keys.decoding_key(header.kid.as_deref().ok_or(CursorError::Invalid)?).ok_or(CursorError::Invalid)?;
+    let mut validation = Validation::new(Algorithm::HS256);
+    validation.set_audience(&[AUDIENCE]);
+    validation.set_required_spec_claims(&["aud", "sub"]);
+    validation.validate_exp = false;
+    let cursor = jsonwebtoken::decode::<Cursor>(text, &decoding, &validation).map_err(|_| CursorError::Invalid)?.claims;
+    if cursor.v != SIGNED_VERSION {
+        return Err(CursorError::Invalid);
+    }
+    Ok(cursor)
 }
 
 /// The cluster's `system_identifier`, which cursors carry.
@@ -120,10 +139,28 @@ mod tests {
         assert_eq!(Cursor::decode(&keys(), &text, "acme", "p", "tickets", "43", 0), Err(CursorError::Expired));
         assert_eq!(Cursor::decode(&keys(), &text, "acme", "p", "tickets", "42", 1001), Err(CursorError::Expired));
         assert_eq!(Cursor::decode(&keys(), "garbage", "acme", "p", "tickets", "42", 0), Err(CursorError::Invalid));
+        assert!(!text.contains("t-1") && !text.contains("10:12:11") && !text.contains("acme"), "opaque");
         let mut tampered = text.into_bytes();
         let at = tampered.len() - 3;
         tampered[at] ^= 1;
         let tampered = String::from_utf8(tampered).unwrap();
         assert_eq!(Cursor::decode(&keys(), &tampered, "acme", "p", "tickets", "42", 0), Err(CursorError::Invalid));
+    }
+
+    #[test]
+    fn first_version_signed_cursors_are_still_accepted() {
+        use jsonwebtoken::Header;
+        let old = Cursor {
+            v: SIGNED_VERSION,
+            after: Some("t-1".into()),
+            ..Cursor::new("acme", "p", "tickets", "42", "10:12:11", 1000)
+        };
+        let keys = keys();
+        let (kid, encoding) = keys.signing_key();
+        let mut header = Header::new(Algorithm::HS256);
+        header.kid = Some(kid.to_owned());
+        let text = jsonwebtoken::encode(&header, &old, &encoding).unwrap();
+        let decoded = Cursor::decode(&keys, &text, "acme", "p", "tickets", "42", 0).unwrap();
+        assert_eq!(decoded, Cursor { v: VERSION, ..old });
     }
 }

@@ -1,6 +1,8 @@
 //! Signed download links: short-lived tokens bound to tenant, principal, export and object,
 //! signed with a server key chosen by `kid` (several accepted, the first signs).
 
+mod sealed;
+
 use std::fmt;
 use std::time::Duration;
 
