@@ -210,6 +210,27 @@ async fn every_kind_of_bad_token_is_refused_with_401(pool: PgPool) {
         ("disabled principal", Some(app.token("acme", "mallory"))),
         ("unknown principal", Some(forge(header("acme-k2"), claims("acme", "nobody", now() + 600), &secret))),
         ("acme's key claiming globex", Some(forge(header("acme-k2"), claims("globex", "hank", now() + 600), &secret))),
+        (
+            "not valid before a future nbf",
+            Some(forge(
+                header("acme-k2"),
+                json!({"tenant": "acme", "sub": "alice", "aud": "exportd", "iat": now(), "nbf": now() + 600, "exp": now() + 900}),
+                &secret,
+            )),
+        ),
+        (
+            "issued in the future",
+            Some(forge(
+                header("acme-k2"),
+                json!({"tenant": "acme", "sub": "alice", "aud": "exportd", "iat": now() + 600, "exp": now() + 900}),
+                &secret,
+            )),
+        ),
+        ("living forever", Some(forge(header("acme-k2"), claims("acme", "alice", u64::MAX / 2), &secret))),
+        (
+            "longer than max_token_lifetime_hours (720)",
+            Some(forge(header("acme-k2"), claims("acme", "alice", now() + 721 * 3600), &secret)),
+        ),
     ];
     for (what, token) in cases {
         let response = app.get(token.as_deref(), "/v1/datasets").await;

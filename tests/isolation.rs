@@ -164,3 +164,125 @@ async fn a_partner_never_receives_keys_of_records_outside_its_row_filter(pool: P
     assert_eq!(manifest["total_rows"], 3);
     assert!(!opened_cursor(manifest["next_cursor"].as_str().unwrap()).to_string().contains("SECRET"));
 }
+
+async fn stored(pool: &PgPool, key: &str, column: &str) -> Option<String> {
+    sqlx::query_scalar(
+        "SELECT data->>$2 FROM record_versions WHERE tenant = 'acme' AND key = $1 AND closed_xid IS NULL",
+    )
+    .bind(key)
+    .bind(column)
+    .fetch_optional(pool)
+    .await
+    .unwrap()
+    .flatten()
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn ingested_numbers_keep_every_digit_as_sent(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let admin = app.token("acme", "alice");
+    let amounts = ["12.50", "9007199254740993.5", "123456789012345678901234567890.123", "-0.000000000000000000001"];
+    let body: String = format!(
+        "[{}]",
+        amounts
+            .iter()
+            .enumerate()
+            .map(|(i, a)| format!(r#"{{"key": "n{i}", "data": {{"subject": "s", "status": "open", "amount": {a}}}}}"#))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let response = app
+        .client
+        .post(app.url("/v1/datasets/tickets/records"))
+        .bearer_auth(&admin)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    for (i, amount) in amounts.iter().enumerate() {
+        assert_eq!(stored(&app.pool, &format!("n{i}"), "amount").await.as_deref(), Some(*amount));
+    }
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn records_the_store_cannot_hold_or_export_are_refused_naming_the_field(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let admin = app.token("acme", "alice");
+    let nested = |depth: usize| {
+        let mut value = serde_json::json!(1);
+        for _ in 0..depth {
+            value = serde_json::json!([value]);
+        }
+        value
+    };
+    let record = |key: &str, extra: Value| {
+        let mut data = serde_json::json!({"subject": "s", "status": "open"});
+        data.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        serde_json::json!([{"key": key, "data": data}])
+    };
+    let cases = [
+        ("nul-in-key\u{0}", serde_json::json!({}), "[0].key"),
+        ("nul-in-value", serde_json::json!({"subject": "a\u{0}b"}), "[0].data"),
+        ("too-deep", serde_json::json!({"tags": nested(63)}), "[0].data"),
+        ("too-big", serde_json::json!({"body": "x".repeat(1 << 20)}), "[0].data"),
+    ];
+    for (key, extra, field) in cases {
+        let response = app.ingest(&admin, "tickets", &record(key, extra)).await;
+        assert_eq!(response.status(), 400, "{key}");
+        let problem = problem(response).await;
+        assert_eq!(
+            (problem["code"].as_str(), problem["field"].as_str()),
+            (Some("invalid-record"), Some(field)),
+            "{key}"
+        );
+    }
+    // One level less deep is fine; the SQL write function applies the same limit.
+    assert_eq!(
+        app.ingest(&admin, "tickets", &record("deep", serde_json::json!({"tags": nested(62)}))).await.status(),
+        200
+    );
+    let refused = sqlx::query("SELECT exportd_upsert('acme', 'tickets', 'sql-deep', $1)")
+        .bind(serde_json::json!({"subject": "s", "status": "open", "tags": nested(63)}))
+        .execute(&app.pool)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.as_database_error().unwrap().code().as_deref(), Some("EXD01"));
+    let live: i64 = sqlx::query_scalar("SELECT count(*) FROM record_versions WHERE closed_xid IS NULL")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(live, 1, "nothing else was stored");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn bodies_up_to_16_mib_are_read_and_errors_never_repeat_values(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let admin = app.token("acme", "alice");
+    let big: Vec<Value> = (0..10_000)
+        .map(|i| serde_json::json!({"key": format!("k{i:05}"), "data": {"subject": "x".repeat(300), "status": "open"}}))
+        .collect();
+    let response = app.ingest(&admin, "tickets", &Value::Array(big)).await;
+    assert_eq!(response.status(), 200, "a 3.4 MB batch of 10 000 records");
+    let huge = format!("[{}]", " ".repeat(17 << 20));
+    let response = app
+        .client
+        .post(app.url("/v1/datasets/tickets/records"))
+        .bearer_auth(&admin)
+        .header("content-type", "application/json")
+        .body(huge)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 413);
+    assert_eq!(problem(response).await["code"], "payload-too-large");
+    let response = app
+        .ingest(&admin, "tickets", &serde_json::json!([{"key": "k", "data": {"subject": "s", "status": "open", "escalated": "CONFIDENTIAL: patient"}}]))
+        .await;
+    assert_eq!(response.status(), 400);
+    assert!(!response.text().await.unwrap().contains("CONFIDENTIAL"));
+    let response = app.ingest(&admin, "tickets", &serde_json::json!([{"key": {"CONFIDENTIAL": 1}}])).await;
+    assert_eq!(response.status(), 400);
+    assert!(!response.text().await.unwrap().contains("CONFIDENTIAL"));
+}

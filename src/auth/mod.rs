@@ -64,6 +64,7 @@ pub fn authenticate(registry: &Registry, token: &str) -> Result<Caller, AuthErro
     if claims.tenant != tenant.id.as_str() {
         return Err(AuthError::Invalid);
     }
+    check_times(&claims, tenant, now_seconds())?;
     let principal = tenant.principal(&claims.sub).filter(|p| !p.disabled);
     let principal = principal.ok_or(AuthError::PrincipalRefused)?.clone();
     Ok(Caller { tenant: tenant.clone(), principal })
@@ -74,12 +75,36 @@ fn validation() -> Validation {
     v.set_audience(&[AUDIENCE]);
     v.set_required_spec_claims(&["exp", "aud", "sub"]);
     v.leeway = LEEWAY_SECONDS;
+    v.validate_nbf = true;
     v
+}
+
+fn now_seconds() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// `iat` may not lie in the future (beyond the leeway), and the token may not live longer than
+/// the tenant's `[auth] max_token_lifetime_hours` — counted from `iat` and from now, so a
+/// far-future `exp` is refused whatever `iat` says.
+fn check_times(claims: &Claims, tenant: &Tenant, now: u64) -> Result<(), AuthError> {
+    let max = u64::from(tenant.auth.max_token_lifetime_hours) * 3600;
+    if claims.iat > now + LEEWAY_SECONDS {
+        return Err(AuthError::Invalid);
+    }
+    if claims.exp.saturating_sub(claims.iat) > max || claims.exp.saturating_sub(now) > max + LEEWAY_SECONDS {
+        return Err(AuthError::Invalid);
+    }
+    Ok(())
 }
 
 /// Signs a token for `principal` of `tenant` with the tenant's first key.
 pub fn mint(tenant: &Tenant, principal: &str, ttl: Duration) -> anyhow::Result<String> {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
+    let max_hours = tenant.auth.max_token_lifetime_hours;
+    anyhow::ensure!(
+        ttl.as_secs() <= u64::from(max_hours) * 3600,
+        "the tenant's tokens live at most {max_hours} hours ([auth] max_token_lifetime_hours)"
+    );
+    let now = now_seconds();
     mint_at(tenant, principal, now, now + ttl.as_secs())
 }
 

@@ -71,9 +71,32 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
         let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
             let path = e.path().to_string();
             let field = if path == "." { "body".to_owned() } else { path };
-            ApiError::new(StatusCode::BAD_REQUEST, "invalid-body", e.inner().to_string()).with("field", field)
+            ApiError::new(StatusCode::BAD_REQUEST, "invalid-body", describe(e.inner())).with("field", field)
         })?;
         Ok(JsonBody(value))
+    }
+}
+
+/// What is wrong with a body, without repeating any of its values (serde's own messages quote
+/// the offending string or number): the kind of problem and what was expected.
+fn describe(e: &serde_json::Error) -> String {
+    use serde_json::error::Category;
+    match e.classify() {
+        Category::Syntax => format!("the body is not valid JSON (line {}, column {})", e.line(), e.column()),
+        Category::Eof => "the body ends before its JSON does".to_owned(),
+        Category::Io => "the body could not be read".to_owned(),
+        Category::Data => {
+            let message = e.to_string();
+            let message = message.split(" at line ").next().unwrap_or_default();
+            // "invalid type: string \"…\", expected X" → "expected X"; "missing field `f`" stays.
+            match message.find(", expected ") {
+                Some(at) => format!("wrong type or value: {}", &message[at + 2..]),
+                None if message.starts_with("missing field") || message.starts_with("duplicate field") => {
+                    message.to_owned()
+                }
+                None => "wrong type or value".to_owned(),
+            }
+        }
     }
 }
 
@@ -99,7 +122,26 @@ pub struct Query<T>(pub T);
 
 #[cfg(test)]
 mod tests {
-    use super::bearer_token;
+    use super::{bearer_token, describe};
+
+    #[test]
+    fn body_errors_never_repeat_the_submitted_values() {
+        let error = |json: &str| {
+            #[derive(Debug, serde::Deserialize)]
+            #[allow(dead_code)]
+            struct Body {
+                n: u32,
+                s: std::collections::BTreeMap<String, String>,
+            }
+            describe(&serde_json::from_str::<Body>(json).unwrap_err())
+        };
+        let secret = error(r#"{"n": "CONFIDENTIAL: patient has HIV", "s": {}}"#);
+        assert!(!secret.contains("CONFIDENTIAL"), "{secret}");
+        assert!(secret.contains("expected u32"), "{secret}");
+        assert!(!error(r#"{"n": 99999999999, "s": {}}"#).contains("99999999999"));
+        assert_eq!(error(r#"{"s": {}}"#), "missing field `n`");
+        assert!(error(r#"{"n": 1,"#).starts_with("the body ends") || error(r#"{"n": 1,"#).contains("not valid JSON"));
+    }
 
     #[test]
     fn bearer_tokens_are_read_case_insensitively() {

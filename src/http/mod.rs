@@ -19,11 +19,11 @@ mod usage;
 use std::time::Duration;
 
 use axum::Router;
+use axum::extract::DefaultBodyLimit;
 use axum::extract::{MatchedPath, Request};
 use axum::http::header::{AUTHORIZATION, CACHE_CONTROL, X_CONTENT_TYPE_OPTIONS};
 use axum::http::{HeaderName, HeaderValue, StatusCode};
 use tower_http::catch_panic::CatchPanicLayer;
-use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
 use tower_http::set_header::SetResponseHeaderLayer;
@@ -56,7 +56,8 @@ pub fn app(state: AppState) -> Router {
     .fallback(error::fallback)
     .with_state(state)
     // Router::layer: the last added is the outermost.
-    .layer(RequestBodyLimitLayer::new(BODY_LIMIT_BYTES))
+    // Applies to every body extractor (Bytes, Json, Form); past it a problem+json 413.
+    .layer(DefaultBodyLimit::max(BODY_LIMIT_BYTES))
     .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, RESPONSE_HEAD_TIMEOUT))
     .layer(CatchPanicLayer::custom(|_| {
         axum::response::IntoResponse::into_response(ApiError::internal(anyhow::anyhow!("handler panicked")))

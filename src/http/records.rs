@@ -117,12 +117,29 @@ fn into_writes(batch: Vec<IngestRecord>) -> ApiResult<Vec<RecordWrite>> {
         .into_iter()
         .enumerate()
         .map(|(index, record)| match (record.deleted, record.data) {
+            _ if record.key.contains('\0') => Err(invalid_record(index, "key", "must not contain U+0000".into())),
+            (false, Some(data)) if contains_nul(&data) => {
+                Err(invalid_record(index, "data", "strings must not contain U+0000".into()))
+            }
             (false, Some(data)) => Ok(RecordWrite::Upsert { key: record.key, data }),
             (true, None) => Ok(RecordWrite::Delete { key: record.key }),
             (true, Some(_)) => Err(invalid_record(index, "data", "a delete carries no data".into())),
             (false, None) => Err(invalid_record(index, "data", "data is required unless deleted is true".into())),
         })
         .collect()
+}
+
+/// PostgreSQL's text and jsonb cannot hold U+0000; refuse it as bad input, not a server error.
+fn contains_nul(data: &Map<String, Value>) -> bool {
+    fn value_has_nul(value: &Value) -> bool {
+        match value {
+            Value::String(s) => s.contains('\0'),
+            Value::Array(items) => items.iter().any(value_has_nul),
+            Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || value_has_nul(v)),
+            _ => false,
+        }
+    }
+    data.iter().any(|(k, v)| k.contains('\0') || value_has_nul(v))
 }
 
 fn invalid_record(index: usize, field: &str, message: String) -> ApiError {

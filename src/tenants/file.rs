@@ -7,7 +7,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 use super::{
-    ConfigError, DatasetName, DatasetSchema, Feeds, Principal, PrincipalId, Quota, Registry, Retention, Role,
+    Auth, ConfigError, DatasetName, DatasetSchema, Feeds, Principal, PrincipalId, Quota, Registry, Retention, Role,
     RowFilter, Secret, SigningKey, Tenant, TenantId,
 };
 
@@ -28,6 +28,8 @@ struct TenantFile {
     retention: Retention,
     #[serde(default)]
     feeds: Feeds,
+    #[serde(default)]
+    auth: Auth,
 }
 
 #[derive(Deserialize)]
@@ -101,6 +103,9 @@ fn load_tenant(path: &Path, schemas: &BTreeMap<DatasetName, Arc<DatasetSchema>>)
         return Err(error(path, "name", "must not be empty"));
     }
     raw.quota.check().map_err(|(field, message)| error(path, &field, message))?;
+    if raw.auth.max_token_lifetime_hours == 0 {
+        return Err(error(path, "auth.max_token_lifetime_hours", "must be at least 1"));
+    }
 
     let mut datasets = BTreeMap::new();
     for (i, name) in raw.datasets.iter().enumerate() {
@@ -140,6 +145,7 @@ fn load_tenant(path: &Path, schemas: &BTreeMap<DatasetName, Arc<DatasetSchema>>)
         quota: raw.quota,
         retention: raw.retention,
         feeds: raw.feeds,
+        auth: raw.auth,
     })
 }
 

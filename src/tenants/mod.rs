@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 pub use dataset::{Column, ColumnType, DatasetSchema};
 pub use names::{ColumnName, DatasetName, PrincipalId, TenantId};
-pub use settings::{Feeds, Quota, Retention};
+pub use settings::{Auth, Feeds, Quota, Retention};
 
 /// A configuration error: which file, which field, what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,6 +100,7 @@ pub struct Tenant {
     pub quota: Quota,
     pub retention: Retention,
     pub feeds: Feeds,
+    pub auth: Auth,
 }
 
 impl Tenant {

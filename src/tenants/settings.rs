@@ -81,3 +81,17 @@ impl Default for Feeds {
         Feeds { safety_delay_seconds: 5 }
     }
 }
+
+/// `[auth]`: what bearer tokens of this tenant may claim.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Auth {
+    /// Longest lifetime (`exp - iat`, and `exp` from now) a token may have.
+    pub max_token_lifetime_hours: u32,
+}
+
+impl Default for Auth {
+    fn default() -> Self {
+        Auth { max_token_lifetime_hours: 720 }
+    }
+}
