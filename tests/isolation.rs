@@ -286,3 +286,55 @@ async fn bodies_up_to_16_mib_are_read_and_errors_never_repeat_values(pool: PgPoo
     assert_eq!(response.status(), 400);
     assert!(!response.text().await.unwrap().contains("CONFIDENTIAL"));
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_partner_cannot_queue_the_tenants_admins_out(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let partner = app.token("acme", "zenpartner");
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        let response = app.create_export(&partner, Some(&uuid::Uuid::new_v4().to_string()), &full_csv(100)).await;
+        statuses.push(response.status().as_u16());
+        if response.status() == 429 {
+            let problem = problem(response).await;
+            assert_eq!(
+                (problem["limit"].as_str(), problem["max"].as_u64()),
+                (Some("max_queued_exports_per_partner"), Some(3))
+            );
+        }
+    }
+    assert_eq!(statuses, vec![202, 202, 202, 429, 429], "a partner's share is 3 queued exports");
+    let admin = app.token("acme", "alice");
+    assert_eq!(app.create_export(&admin, Some("admin-1"), &full_csv(100)).await.status(), 202, "admins keep headroom");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn after_a_partners_row_filter_changes_its_old_files_and_cursors_are_refused(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 20).await;
+    let partner = app.token("acme", "zenpartner"); // row filter: region = emea
+    let id = app.export(&partner, &full_csv(10)).await;
+    app.drain().await;
+    let cursor = app.cursor_now(&partner, "tickets").await;
+    assert_eq!(app.get(Some(&partner), &format!("/v1/exports/{id}/file")).await.status(), 200);
+
+    let moved = app
+        .sibling(common::edited_registry("acme", |t| {
+            t.replace(r#"row_filter = { region = "emea" }"#, r#"row_filter = { region = "apac" }"#)
+        }))
+        .await;
+    let file = app.client.get(format!("{moved}/v1/exports/{id}/file")).bearer_auth(&partner).send().await.unwrap();
+    assert_eq!(file.status(), 403);
+    assert_eq!(problem(file).await["code"], "row-filter-changed");
+    let changes = app
+        .client
+        .get(format!("{moved}/v1/datasets/tickets/changes?cursor={cursor}"))
+        .bearer_auth(&partner)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(changes.status(), 410);
+    assert_eq!(problem(changes).await["code"], "cursor-expired");
+    // The same requests still work where the filter is unchanged.
+    assert_eq!(app.get(Some(&partner), &format!("/v1/datasets/tickets/changes?cursor={cursor}")).await.status(), 200);
+}

@@ -32,13 +32,19 @@ pub struct Download {
     pub filename: String,
 }
 
-/// Checks, at every download, that the caller may see the export, is still granted its dataset,
-/// and that the export still has files; then lays the object out.
+/// Checks, at every download, that the caller may see the export, is still granted its dataset
+/// (a partner: under the same row filter), and that the export still has files; then lays the
+/// object out.
 pub async fn open(pool: &sqlx::PgPool, caller: &Caller, id: Uuid, object: Object) -> Result<Download, ExportError> {
     let job = get(pool, caller, id).await?;
     let dataset = caller.tenant.dataset(&job.dataset).ok_or(ExportError::DatasetNotGranted)?;
     if !caller.principal.is_granted(&dataset.name) {
         return Err(ExportError::DatasetNotGranted);
+    }
+    // A partner's files were cut with the row filter it had then; once that changed they are no
+    // longer what it may see.
+    if !caller.principal.is_admin() && caller.principal.row_filter_json() != job.row_filter {
+        return Err(ExportError::RowFilterChanged);
     }
     match job.state {
         ExportState::Succeeded => {}

@@ -5,7 +5,7 @@ use time::OffsetDateTime;
 
 use super::{ExportError, ExportSpec};
 use crate::auth::Caller;
-use crate::feeds::{self, Cursor, CursorError};
+use crate::feeds::{self, Cursor, CursorError, CursorOwner};
 use crate::links::LinkKeys;
 
 /// What creating an incremental export needs to read and sign cursors.
@@ -52,11 +52,12 @@ pub async fn start(
         }
     };
     let oldest = feed.now.unix_timestamp() - i64::from(caller.tenant.retention.tombstone_days) * 86_400;
-    let cursor =
-        Cursor::decode(feed.keys, &text, tenant, principal, dataset, feed.cluster, oldest).map_err(|e| match e {
-            CursorError::Invalid => ExportError::InvalidCursor { field: "since", detail: format!("{field}: {e}") },
-            CursorError::Expired => ExportError::CursorExpired(e.to_string()),
-        })?;
+    let row_filter = caller.principal.row_filter_json();
+    let owner = CursorOwner { tenant, principal, dataset, cluster: feed.cluster, row_filter: &row_filter };
+    let cursor = Cursor::decode(feed.keys, &text, &owner, oldest).map_err(|e| match e {
+        CursorError::Invalid => ExportError::InvalidCursor { field: "since", detail: format!("{field}: {e}") },
+        CursorError::Expired => ExportError::CursorExpired(e.to_string()),
+    })?;
     let until_tick =
         feeds::newest_sealed_tick(pool, feed.now, caller.tenant.feeds.safety_delay_seconds).await?.unwrap_or(0);
     Ok(Start { cursor: text, from: cursor.from, after: cursor.after, until_tick })

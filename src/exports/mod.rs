@@ -34,11 +34,13 @@ pub enum ExportError {
     DatasetNotFound,
     #[error("the dataset is not granted to this principal")]
     DatasetNotGranted,
+    #[error("the principal's row filter changed since this export was created; create a new export")]
+    RowFilterChanged,
     #[error("{detail}")]
     InvalidCursor { field: &'static str, detail: String },
     #[error("{0}")]
     CursorExpired(String),
-    #[error("the tenant already has {queued} queued exports (quota max_queued_exports = {limit})")]
+    #[error("{queued} exports are already queued (quota {limit_name} = {limit})")]
     QuotaExceeded { limit_name: &'static str, limit: u64, queued: u64 },
     #[error("an incremental export of this dataset is already queued or running for this principal")]
     IncrementalInProgress,
@@ -151,15 +153,26 @@ pub async fn create(
     // Serialize this tenant's creates on its usage row, then count: exactly max_queued_exports
     // creates succeed however many arrive at once.
     crate::quota::lock_tenant(&mut tx, caller.tenant.id.as_str()).await?;
-    let queued: i64 = sqlx::query_scalar("SELECT count(*) FROM export_jobs WHERE tenant = $1 AND state = 'QUEUED'")
-        .bind(caller.tenant.id.as_str())
-        .fetch_one(&mut *tx)
-        .await?;
-    let limit = u64::from(caller.tenant.quota.max_queued_exports);
-    if queued as u64 >= limit {
+    // A partner also has a share of its own, so partners can never queue admins out.
+    let (queued, mine): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE principal = $2) FROM export_jobs WHERE tenant = $1 AND state = 'QUEUED'",
+    )
+    .bind(caller.tenant.id.as_str())
+    .bind(caller.principal.id.as_str())
+    .fetch_one(&mut *tx)
+    .await?;
+    let quota = &caller.tenant.quota;
+    let refusal = if queued as u64 >= u64::from(quota.max_queued_exports) {
+        Some(("max_queued_exports", quota.max_queued_exports, queued))
+    } else if !caller.principal.is_admin() && mine as u64 >= u64::from(quota.max_queued_exports_per_partner) {
+        Some(("max_queued_exports_per_partner", quota.max_queued_exports_per_partner, mine))
+    } else {
+        None
+    };
+    if let Some((limit_name, limit, queued)) = refusal {
         drop(tx);
         count_quota_rejection(pool, caller.tenant.id.as_str()).await?;
-        return Err(ExportError::QuotaExceeded { limit_name: "max_queued_exports", limit, queued: queued as u64 });
+        return Err(ExportError::QuotaExceeded { limit_name, limit: u64::from(limit), queued: queued as u64 });
     }
     let inserted: Option<ExportJob> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "INSERT INTO export_jobs (id, tenant, principal, dataset, mode, format, request, request_sha256,

@@ -31,6 +31,28 @@ pub struct Cursor {
     pub after: Option<String>,
     /// When `from` was taken (unix seconds): cursors older than the tombstone window expire.
     pub ts: i64,
+    /// Fingerprint of the row filter the position was computed under: once the principal's
+    /// filter changes, its old cursors expire (first-release cursors carry none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rf: Option<String>,
+}
+
+/// Whose cursor: it is valid only for this tenant, principal, dataset, cluster and row filter.
+#[derive(Debug, Clone, Copy)]
+pub struct CursorOwner<'a> {
+    pub tenant: &'a str,
+    pub principal: &'a str,
+    pub dataset: &'a str,
+    pub cluster: &'a str,
+    /// The principal's row filter as JSON (`{}` for none).
+    pub row_filter: &'a serde_json::Value,
+}
+
+impl CursorOwner<'_> {
+    fn row_filter_fingerprint(&self) -> String {
+        let digest = crate::writers::sha256_hex(self.row_filter.to_string().as_bytes());
+        digest[..16].to_owned()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -38,23 +60,25 @@ pub enum CursorError {
     #[error("the cursor is malformed, tampered with, or not for this dataset and principal")]
     Invalid,
     #[error(
-        "the cursor is older than the tenant's tombstone window, or from another database; run a full export and continue from its next_cursor"
+        "the cursor is older than the tenant's tombstone window, from another database, or from before the principal's row filter changed; run a full export and continue from its next_cursor"
     )]
     Expired,
 }
 
 impl Cursor {
-    pub fn new(tenant: &str, principal: &str, dataset: &str, cluster: &str, from: &str, ts: i64) -> Cursor {
+    /// A cursor of `owner` at snapshot `from`, taken at `ts`.
+    pub fn new(owner: &CursorOwner<'_>, from: &str, ts: i64) -> Cursor {
         Cursor {
             v: VERSION,
             aud: AUDIENCE.to_owned(),
-            tenant: tenant.to_owned(),
-            sub: principal.to_owned(),
-            dataset: dataset.to_owned(),
-            cluster: cluster.to_owned(),
+            tenant: owner.tenant.to_owned(),
+            sub: owner.principal.to_owned(),
+            dataset: owner.dataset.to_owned(),
+            cluster: owner.cluster.to_owned(),
             from: from.to_owned(),
             after: None,
             ts,
+            rf: Some(owner.row_filter_fingerprint()),
         }
     }
 
@@ -68,31 +92,25 @@ impl Cursor {
     /// Opens and checks the binding to tenant, principal and dataset (any mismatch looks like
     /// tampering, revealing nothing), then the cluster and age. Cursors of the first version
     /// (signed, readable JWTs) are still accepted, so partners keep their place across upgrades.
-    pub fn decode(
-        keys: &LinkKeys,
-        text: &str,
-        tenant: &str,
-        principal: &str,
-        dataset: &str,
-        cluster: &str,
-        oldest_ts: i64,
-    ) -> Result<Cursor, CursorError> {
+    pub fn decode(keys: &LinkKeys, text: &str, owner: &CursorOwner<'_>, oldest_ts: i64) -> Result<Cursor, CursorError> {
         let cursor = match keys.open(AUDIENCE, text) {
             Some(plain) => serde_json::from_slice::<Cursor>(&plain).map_err(|_| CursorError::Invalid)?,
             None => decode_signed(keys, text)?,
         };
         if !matches!(cursor.v, SIGNED_VERSION | VERSION)
             || cursor.aud != AUDIENCE
-            || cursor.tenant != tenant
-            || cursor.sub != principal
-            || cursor.dataset != dataset
+            || cursor.tenant != owner.tenant
+            || cursor.sub != owner.principal
+            || cursor.dataset != owner.dataset
         {
             return Err(CursorError::Invalid);
         }
-        if cursor.cluster != cluster || cursor.ts < oldest_ts {
+        let fingerprint = owner.row_filter_fingerprint();
+        let filter_changed = cursor.rf.as_ref().is_some_and(|rf| *rf != fingerprint);
+        if cursor.cluster != owner.cluster || cursor.ts < oldest_ts || filter_changed {
             return Err(CursorError::Expired);
         }
-        Ok(Cursor { v: VERSION, ..cursor })
+        Ok(Cursor { v: VERSION, rf: Some(fingerprint), ..cursor })
     }
 }
 
@@ -118,49 +136,65 @@ pub async fn system_identifier(pool: &PgPool) -> sqlx::Result<String> {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::{Value, json};
+
     use super::*;
 
     fn keys() -> LinkKeys {
         LinkKeys::parse("k=0123456789abcdef0123456789abcdef").unwrap()
     }
 
+    fn owner<'a>(
+        tenant: &'a str,
+        principal: &'a str,
+        dataset: &'a str,
+        cluster: &'a str,
+        rf: &'a Value,
+    ) -> CursorOwner<'a> {
+        CursorOwner { tenant, principal, dataset, cluster, row_filter: rf }
+    }
+
     #[test]
     fn cursors_round_trip_and_bind_their_owner() {
-        let cursor =
-            Cursor { after: Some("t-1".into()), ..Cursor::new("acme", "p", "tickets", "42", "10:12:11", 1000) };
+        let (none, emea, apac) = (json!({}), json!({"region": "emea"}), json!({"region": "apac"}));
+        let me = owner("acme", "p", "tickets", "42", &emea);
+        let cursor = Cursor { after: Some("t-1".into()), ..Cursor::new(&me, "10:12:11", 1000) };
         let text = cursor.encode(&keys());
         assert_eq!(text, cursor.encode(&keys()), "deterministic");
-        assert_eq!(Cursor::decode(&keys(), &text, "acme", "p", "tickets", "42", 0), Ok(cursor));
+        assert_eq!(Cursor::decode(&keys(), &text, &me, 0), Ok(cursor));
         for (tenant, principal, dataset) in
             [("globex", "p", "tickets"), ("acme", "q", "tickets"), ("acme", "p", "contacts")]
         {
-            assert_eq!(Cursor::decode(&keys(), &text, tenant, principal, dataset, "42", 0), Err(CursorError::Invalid));
+            let other = owner(tenant, principal, dataset, "42", &emea);
+            assert_eq!(Cursor::decode(&keys(), &text, &other, 0), Err(CursorError::Invalid));
         }
-        assert_eq!(Cursor::decode(&keys(), &text, "acme", "p", "tickets", "43", 0), Err(CursorError::Expired));
-        assert_eq!(Cursor::decode(&keys(), &text, "acme", "p", "tickets", "42", 1001), Err(CursorError::Expired));
-        assert_eq!(Cursor::decode(&keys(), "garbage", "acme", "p", "tickets", "42", 0), Err(CursorError::Invalid));
+        let expired = |o: CursorOwner<'_>, oldest| Cursor::decode(&keys(), &text, &o, oldest);
+        assert_eq!(expired(owner("acme", "p", "tickets", "43", &emea), 0), Err(CursorError::Expired), "cluster");
+        assert_eq!(expired(me, 1001), Err(CursorError::Expired), "age");
+        assert_eq!(expired(owner("acme", "p", "tickets", "42", &apac), 0), Err(CursorError::Expired), "row filter");
+        assert_eq!(expired(owner("acme", "p", "tickets", "42", &none), 0), Err(CursorError::Expired), "row filter");
+        assert_eq!(Cursor::decode(&keys(), "garbage", &me, 0), Err(CursorError::Invalid));
         assert!(!text.contains("t-1") && !text.contains("10:12:11") && !text.contains("acme"), "opaque");
         let mut tampered = text.into_bytes();
         let at = tampered.len() - 3;
         tampered[at] ^= 1;
         let tampered = String::from_utf8(tampered).unwrap();
-        assert_eq!(Cursor::decode(&keys(), &tampered, "acme", "p", "tickets", "42", 0), Err(CursorError::Invalid));
+        assert_eq!(Cursor::decode(&keys(), &tampered, &me, 0), Err(CursorError::Invalid));
     }
 
     #[test]
     fn first_version_signed_cursors_are_still_accepted() {
         use jsonwebtoken::Header;
-        let old = Cursor {
-            v: SIGNED_VERSION,
-            after: Some("t-1".into()),
-            ..Cursor::new("acme", "p", "tickets", "42", "10:12:11", 1000)
-        };
+        let none = json!({});
+        let me = owner("acme", "p", "tickets", "42", &none);
+        let old =
+            Cursor { v: SIGNED_VERSION, after: Some("t-1".into()), rf: None, ..Cursor::new(&me, "10:12:11", 1000) };
         let keys = keys();
         let (kid, encoding) = keys.signing_key();
         let mut header = Header::new(Algorithm::HS256);
         header.kid = Some(kid.to_owned());
         let text = jsonwebtoken::encode(&header, &old, &encoding).unwrap();
-        let decoded = Cursor::decode(&keys, &text, "acme", "p", "tickets", "42", 0).unwrap();
-        assert_eq!(decoded, Cursor { v: VERSION, ..old });
+        let decoded = Cursor::decode(&keys, &text, &me, 0).unwrap();
+        assert_eq!(decoded, Cursor { after: Some("t-1".into()), ..Cursor::new(&me, "10:12:11", 1000) });
     }
 }

@@ -380,6 +380,7 @@ impl From<ExportError> for ApiError {
                 ApiError::new(StatusCode::BAD_REQUEST, "invalid-cursor", detail).with("field", field)
             }
             ExportError::CursorExpired(_) => ApiError::new(StatusCode::GONE, "cursor-expired", detail),
+            ExportError::RowFilterChanged => ApiError::new(StatusCode::FORBIDDEN, "row-filter-changed", detail),
             ExportError::QuotaExceeded { limit_name, limit, .. } => {
                 let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "quota-exceeded", detail)
                     .with("limit", limit_name)

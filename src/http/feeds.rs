@@ -11,7 +11,7 @@ use super::extract::{Path, Query};
 use super::records::exposed_dataset;
 use super::state::AppState;
 use crate::auth::Caller;
-use crate::feeds::{self, Change, Cursor, CursorError, Feed, Seal};
+use crate::feeds::{self, Change, Cursor, CursorError, CursorOwner, Feed, Seal};
 use crate::tenants::DatasetSchema;
 
 pub const DEFAULT_LIMIT: usize = 1000;
@@ -70,12 +70,11 @@ async fn changes(
     let cluster = feeds::system_identifier(&state.pool).await?;
     let now = state.clock.now();
     let oldest = now.unix_timestamp() - i64::from(caller.tenant.retention.tombstone_days) * 86_400;
-    let (tenant, principal) = (caller.tenant.id.as_str(), caller.principal.id.as_str());
-    let cursor = Cursor::decode(&state.links, &text, tenant, principal, schema.name.as_str(), &cluster, oldest)
-        .map_err(cursor_problem)?;
-    let row_filter = serde_json::to_value(&caller.principal.row_filter).expect("serializable");
+    let row_filter = caller.principal.row_filter_json();
+    let owner = cursor_owner(&caller, &schema, &cluster, &row_filter);
+    let cursor = Cursor::decode(&state.links, &text, &owner, oldest).map_err(cursor_problem)?;
     let feed = Feed {
-        tenant,
+        tenant: owner.tenant,
         dataset: schema.name.as_str(),
         row_filter: &row_filter,
         seal: Seal::Delayed { now, safety_delay_seconds: caller.tenant.feeds.safety_delay_seconds },
@@ -108,15 +107,25 @@ async fn current_cursor(
     let schema = readable_dataset(&caller, &dataset)?;
     let cluster = feeds::system_identifier(&state.pool).await?;
     let snapshot = crate::records::Snapshot::current(&state.pool).await?;
-    let cursor = Cursor::new(
-        caller.tenant.id.as_str(),
-        caller.principal.id.as_str(),
-        schema.name.as_str(),
-        &cluster,
-        snapshot.as_str(),
-        state.clock.now().unix_timestamp(),
-    );
+    let row_filter = caller.principal.row_filter_json();
+    let owner = cursor_owner(&caller, &schema, &cluster, &row_filter);
+    let cursor = Cursor::new(&owner, snapshot.as_str(), state.clock.now().unix_timestamp());
     Ok(axum::Json(CursorView { cursor: cursor.encode(&state.links) }))
+}
+
+fn cursor_owner<'a>(
+    caller: &'a Caller,
+    schema: &'a DatasetSchema,
+    cluster: &'a str,
+    row_filter: &'a serde_json::Value,
+) -> CursorOwner<'a> {
+    CursorOwner {
+        tenant: caller.tenant.id.as_str(),
+        principal: caller.principal.id.as_str(),
+        dataset: schema.name.as_str(),
+        cluster,
+        row_filter,
+    }
 }
 
 fn readable_dataset(caller: &Caller, name: &str) -> ApiResult<std::sync::Arc<DatasetSchema>> {

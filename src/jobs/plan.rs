@@ -11,7 +11,7 @@ use super::WorkerDeps;
 use super::fenced::{self, Lease, LeaseLost};
 use super::source::Source;
 use crate::exports::{ExportJob, ExportState};
-use crate::feeds::{self, Cursor, Feed, Seal};
+use crate::feeds::{self, Cursor, CursorOwner, Feed, Seal};
 use crate::records::{AsOf, Snapshot};
 use crate::tenants::{DatasetName, TenantId};
 use crate::writers::{Format, OutputColumn};
@@ -90,7 +90,14 @@ impl Plan {
     pub(super) async fn next_cursor(&self, deps: &WorkerDeps, job: &ExportJob) -> anyhow::Result<String> {
         let cluster = crate::feeds::system_identifier(&deps.pool).await?;
         let cursor = |from: &str, after: Option<String>, ts: i64| {
-            let cursor = Cursor::new(&job.tenant, &job.principal, &job.dataset, &cluster, from, ts);
+            let owner = CursorOwner {
+                tenant: &job.tenant,
+                principal: &job.principal,
+                dataset: &job.dataset,
+                cluster: &cluster,
+                row_filter: &job.row_filter,
+            };
+            let cursor = Cursor::new(&owner, from, ts);
             Cursor { after, ..cursor }.encode(&deps.keys)
         };
         Ok(match &self.chain {

@@ -5,7 +5,6 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use anyhow::Context;
-use serde_json::Value;
 
 use super::WorkerDeps;
 use super::fenced::{self, Lease, LeaseLost, Publication, Refused};
@@ -221,9 +220,7 @@ impl ClaimedExport {
         if tenant.dataset(&self.job.dataset).is_none() || !principal.is_granted(&self.plan.dataset) {
             return Err("the dataset is no longer granted to the principal".into());
         }
-        let current: serde_json::Map<String, Value> =
-            principal.row_filter.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
-        if Value::Object(current) != self.plan.row_filter {
+        if principal.row_filter_json() != self.plan.row_filter {
             return Err("the principal's row filter changed".into());
         }
         Ok(())

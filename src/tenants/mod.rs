@@ -61,6 +61,11 @@ impl Principal {
         self.role == Role::Admin
     }
 
+    /// The row filter as a JSON object (`{}` for none), as exports freeze it and feeds apply it.
+    pub fn row_filter_json(&self) -> serde_json::Value {
+        serde_json::Value::Object(self.row_filter.iter().map(|(k, v)| (k.to_string(), v.clone())).collect())
+    }
+
     /// Whether this principal may read `dataset` (which the tenant must also expose).
     pub fn is_granted(&self, dataset: &DatasetName) -> bool {
         self.is_admin() || self.grants.contains(dataset)

@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 pub struct Quota {
     pub max_running_exports: u32,
     pub max_queued_exports: u32,
+    /// Queued exports of one partner principal (admins are bound by `max_queued_exports` only).
+    pub max_queued_exports_per_partner: u32,
     pub max_rows_per_export: u64,
     pub storage_bytes: u64,
     pub egress_bytes_per_day: u64,
@@ -23,6 +25,7 @@ impl Default for Quota {
         Quota {
             max_running_exports: 2,
             max_queued_exports: 10,
+            max_queued_exports_per_partner: 3,
             max_rows_per_export: 10_000_000,
             storage_bytes: 5 << 30,
             egress_bytes_per_day: 20 << 30,

@@ -9,11 +9,23 @@ use crate::tenants::ColumnType;
 /// full-width look-alikes some spreadsheets normalise.
 const FORMULA_TRIGGERS: &[char] = &['=', '+', '-', '@', '＝', '＋', '－', '＠'];
 
-/// Prefixes `'` to text a spreadsheet would run as a formula: the first non-whitespace
-/// character is a trigger, or the text starts with tab, CR or LF.
+/// Characters a spreadsheet may skip before it decides a cell is a formula: whitespace,
+/// controls (`\x1f`, `\x7f`…) and invisible format characters (soft hyphen, zero-width space,
+/// BOM, bidirectional marks and isolates, Arabic letter mark, Mongolian vowel separator…).
+fn invisible(c: char) -> bool {
+    c.is_whitespace()
+        || c.is_control()
+        || matches!(c,
+            '\u{00AD}' | '\u{0600}'..='\u{0605}' | '\u{061C}' | '\u{06DD}' | '\u{070F}' | '\u{180E}'
+            | '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2060}'..='\u{2064}'
+            | '\u{2066}'..='\u{206F}' | '\u{FEFF}' | '\u{FFF9}'..='\u{FFFB}')
+}
+
+/// Prefixes `'` to text a spreadsheet would run as a formula: the first visible character is a
+/// trigger, or the text starts with tab, CR or LF.
 pub fn escape_formula(text: &str) -> Cow<'_, str> {
     let starts_with_control = text.starts_with(['\t', '\r', '\n']);
-    let first_visible = text.trim_start().chars().next();
+    let first_visible = text.chars().find(|c| !invisible(*c));
     if starts_with_control || first_visible.is_some_and(|c| FORMULA_TRIGGERS.contains(&c)) {
         Cow::Owned(format!("'{text}"))
     } else {
@@ -77,5 +89,18 @@ mod tests {
             assert_eq!(csv_cell(&cell, *ty), *expected, "{json} as {ty:?}");
         }
         assert_eq!(csv_cell(&Cell::Number("-3.50"), Number), "-3.50", "stored digits are kept");
+    }
+
+    #[test]
+    fn invisible_characters_before_a_trigger_do_not_hide_it() {
+        for lead in ['\u{200B}', '\u{FEFF}', '\u{202E}', '\u{2066}', '\u{061C}', '\u{00AD}', '\u{180E}', '\x1f', '\x7f']
+        {
+            for trigger in ['=', '+', '-', '@'] {
+                let text = format!("{lead}{lead} {trigger}HYPERLINK(\"x\")");
+                assert_eq!(escape_formula(&text), format!("'{text}"), "{:?}", lead);
+            }
+            let harmless = format!("{lead}hello");
+            assert_eq!(escape_formula(&harmless), harmless, "{:?}", lead);
+        }
     }
 }
