@@ -338,3 +338,42 @@ async fn after_a_partners_row_filter_changes_its_old_files_and_cursors_are_refus
     // The same requests still work where the filter is unchanged.
     assert_eq!(app.get(Some(&partner), &format!("/v1/datasets/tickets/changes?cursor={cursor}")).await.status(), 200);
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn pages_of_big_records_are_bounded_by_bytes_not_rows(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let admin = app.token("acme", "alice");
+    let start = app.cursor_now(&admin, "tickets").await;
+    let big = "x".repeat(900_000);
+    for chunk in 0..3 {
+        let batch: Vec<Value> = (0..10)
+            .map(|i| serde_json::json!({"key": format!("big-{chunk}-{i}"), "data": {"subject": "s", "status": "open", "body": big}}))
+            .collect();
+        assert_eq!(app.ingest(&admin, "tickets", &Value::Array(batch)).await.status(), 200);
+    }
+    app.tick().await;
+    app.pass_safety_delay();
+    let first = app.pull(&admin, "tickets", &start, 10_000).await;
+    let on_first = first["changes"].as_array().unwrap().len();
+    assert!((1..=10).contains(&on_first), "{on_first} changes of ~900 kB on one page");
+    assert_eq!(first["end_of_stream"], false);
+    let (all, _) = app.pull_all(&admin, "tickets", &start, 10_000).await;
+    assert_eq!(all.len(), 30, "every change arrives, over several pages");
+
+    // A full export reading 2 000-row pages gets the same rows in byte-bounded pages.
+    let id = app.export(&admin, &full_csv(100)).await;
+    let deps = exportd::jobs::WorkerDeps {
+        config: exportd::jobs::WorkerConfig { page_rows: 2_000, ..exportd::jobs::WorkerConfig::default() },
+        ..app.deps()
+    };
+    exportd::jobs::drain(&deps, "big").await.unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT rows_done FROM export_jobs WHERE id = $1::uuid")
+        .bind(&id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 30);
+    let csv = common::csv_rows(&app.shard_files(&id, app.data_dir.path()).await[0]);
+    assert_eq!(csv.len(), 31);
+    assert!(csv[1..].iter().all(|r| r.iter().any(|cell| cell.len() == 900_000)));
+}

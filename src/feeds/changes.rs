@@ -45,6 +45,10 @@ pub struct Feed<'a> {
     pub seal: Seal,
 }
 
+/// A page of changes ends early once its keys and data reach this many bytes (one record may
+/// take it past, by at most the 1 MiB a record may have).
+pub const PAGE_BYTES: usize = 8 << 20;
+
 /// Keys read from a window at a time (at least) while looking for a page's changes.
 const SCAN_BATCH: usize = 2_000;
 
@@ -57,16 +61,16 @@ const SCAN_BATCH: usize = 2_000;
 /// last change delivered — never at a key outside the partner's row filter, so neither the
 /// cursor nor the page depends on records the partner may not see.
 pub async fn page(pool: &PgPool, feed: &Feed<'_>, mut position: Cursor, limit: usize) -> sqlx::Result<ChangePage> {
-    let mut changes = Vec::new();
+    let mut filling = Filling::new(limit);
     loop {
         let window = next_window(pool, feed.tenant, feed.dataset, &position.from, feed.seal).await?;
         let Some(window) = window else {
-            return Ok(ChangePage { changes, next: position, end_of_stream: true });
+            return Ok(ChangePage { changes: filling.items, next: position, end_of_stream: true });
         };
         let start = position.after.clone().unwrap_or_default();
-        if let Some(last) = collect(pool, feed, &window, &start, limit, &mut changes, |c| c).await? {
+        if let Some(last) = collect(pool, feed, &window, &start, &mut filling, |c| c).await? {
             position.after = Some(last);
-            return Ok(ChangePage { changes, next: position, end_of_stream: false });
+            return Ok(ChangePage { changes: filling.items, next: position, end_of_stream: false });
         }
         position.from = window.to_snapshot.clone();
         position.after = None;
@@ -74,17 +78,31 @@ pub async fn page(pool: &PgPool, feed: &Feed<'_>, mut position: Cursor, limit: u
     }
 }
 
-/// Reads `window`'s changes after key `after` into `out` (through `wrap`) until `out` holds
-/// `limit`: then returns the key of the last change taken. `None` when the window ran out first.
+/// A page being filled: its items and the bytes of their keys and data.
+struct Filling<T> {
+    items: Vec<T>,
+    bytes: usize,
+    limit: usize,
+}
+
+impl<T> Filling<T> {
+    fn new(limit: usize) -> Self {
+        Filling { items: Vec::new(), bytes: 0, limit }
+    }
+}
+
+/// Reads `window`'s changes after key `after` into `page` (through `wrap`) until it holds its
+/// limit of changes or [`PAGE_BYTES`]: then returns the key of the last change taken. `None`
+/// when the window ran out first.
 async fn collect<T>(
     pool: &PgPool,
     feed: &Feed<'_>,
     window: &Window,
     after: &str,
-    limit: usize,
-    out: &mut Vec<T>,
+    page: &mut Filling<T>,
     wrap: impl Fn(Change) -> T,
 ) -> sqlx::Result<Option<String>> {
+    let (limit, out, bytes) = (page.limit, &mut page.items, &mut page.bytes);
     let mut after = after.to_owned();
     loop {
         // Without a row filter every key is a change: one read of what is missing suffices.
@@ -97,12 +115,18 @@ async fn collect<T>(
         .bind(batch as i64)
         .fetch_all(pool)
         .await?;
-        for change in window_changes(pool, feed, window, &keys).await? {
-            let key = change.key.clone();
+        let (changes, full) = window_changes(pool, feed, window, &keys, PAGE_BYTES.saturating_sub(*bytes)).await?;
+        let mut last = None;
+        for change in changes {
+            *bytes += change.key.len() + change.data.as_ref().map_or(0, |d| d.get().len());
+            last = Some(change.key.clone());
             out.push(wrap(change));
             if out.len() == limit {
-                return Ok(Some(key));
+                return Ok(last);
             }
+        }
+        if full {
+            return Ok(last);
         }
         match keys.last() {
             Some(last) if keys.len() == batch => after = last.clone(),
@@ -131,7 +155,7 @@ pub async fn chain_page(
     position: Option<&ChainPosition>,
     limit: usize,
 ) -> sqlx::Result<(Vec<(ChainPosition, Change)>, Option<ChainPosition>, bool)> {
-    let mut out = Vec::new();
+    let mut filling = Filling::new(limit);
     let (mut window, mut after) = match position {
         Some(p) => (window_by_id(pool, p.window_id).await?, p.after.clone()),
         None => (next_window(pool, feed.tenant, feed.dataset, from, feed.seal).await?, String::new()),
@@ -139,9 +163,9 @@ pub async fn chain_page(
     while let Some(w) = window {
         let id = w.id;
         let wrap = |change: Change| (ChainPosition { window_id: id, after: change.key.clone() }, change);
-        if collect(pool, feed, &w, &after, limit, &mut out, wrap).await?.is_some() {
-            let last = out.last().map(|(p, _)| p.clone());
-            return Ok((out, last, false));
+        if collect(pool, feed, &w, &after, &mut filling, wrap).await?.is_some() {
+            let last = filling.items.last().map(|(p, _)| p.clone());
+            return Ok((filling.items, last, false));
         }
         if w.to_tick >= until {
             break;
@@ -149,8 +173,8 @@ pub async fn chain_page(
         window = next_window(pool, feed.tenant, feed.dataset, &w.to_snapshot, feed.seal).await?;
         after = String::new();
     }
-    let last = out.last().map(|(p, _)| p.clone()).or_else(|| position.cloned());
-    Ok((out, last, true))
+    let last = filling.items.last().map(|(p, _)| p.clone()).or_else(|| position.cloned());
+    Ok((filling.items, last, true))
 }
 
 /// Where a chain from `from` ends once it reaches tick `until`: the snapshot (and its time) the
@@ -185,14 +209,24 @@ async fn window_by_id(pool: &PgPool, id: i64) -> sqlx::Result<Option<Window>> {
 
 /// The changes of `keys` (sorted) in `window`: upsert when the record exists and matches at the
 /// end, delete when it matched at the start but no longer does, nothing otherwise (created and
-/// deleted within the window, or never visible to this partner).
-async fn window_changes(pool: &PgPool, feed: &Feed<'_>, window: &Window, keys: &[String]) -> sqlx::Result<Vec<Change>> {
+/// deleted within the window, or never visible to this partner). Rows are streamed and reading
+/// stops once the changes hold `max_bytes`; the `bool` says whether it stopped early.
+async fn window_changes(
+    pool: &PgPool,
+    feed: &Feed<'_>,
+    window: &Window,
+    keys: &[String],
+    max_bytes: usize,
+) -> sqlx::Result<(Vec<Change>, bool)> {
+    use futures_util::TryStreamExt;
     if keys.is_empty() {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), false));
     }
-    // One index probe per key reads all its versions and keeps the one live at each end.
-    let rows: Vec<(String, Option<String>, bool, bool)> = sqlx::query_as(
-        "SELECT k.key, s.b_data::text, coalesce(s.b_data @> $6, false), coalesce(s.a_data @> $6, false)
+    // One index probe per key reads all its versions and keeps the one live at each end; data
+    // is rendered only for records the partner receives.
+    let mut rows = sqlx::query_as::<_, (String, Option<String>, bool, bool)>(
+        "SELECT k.key, CASE WHEN s.b_data @> $6 THEN s.b_data::text END,
+                coalesce(s.b_data @> $6, false), coalesce(s.a_data @> $6, false)
          FROM unnest($3::text[]) WITH ORDINALITY AS k(key, n)
          LEFT JOIN LATERAL (
              SELECT (array_agg(v.data) FILTER (WHERE exportd_live_at(v.created_xid, v.closed_xid, $4::pg_snapshot)))[1] AS a_data,
@@ -207,19 +241,22 @@ async fn window_changes(pool: &PgPool, feed: &Feed<'_>, window: &Window, keys: &
     .bind(&window.from_snapshot)
     .bind(&window.to_snapshot)
     .bind(feed.row_filter)
-    .fetch_all(pool)
-    .await?;
-    Ok(rows
-        .into_iter()
-        .filter_map(|(key, data, matches_at_end, matched_at_start)| {
-            if matches_at_end {
-                let data = data.and_then(|d| RawValue::from_string(d).ok());
-                Some(Change { op: Op::Upsert, key, data })
-            } else if matched_at_start {
-                Some(Change { op: Op::Delete, key, data: None })
-            } else {
-                None
-            }
-        })
-        .collect())
+    .fetch(pool);
+    let (mut changes, mut bytes) = (Vec::new(), 0usize);
+    while let Some((key, data, matches_at_end, matched_at_start)) = rows.try_next().await? {
+        let change = if matches_at_end {
+            let data = data.and_then(|d| RawValue::from_string(d).ok());
+            Change { op: Op::Upsert, key, data }
+        } else if matched_at_start {
+            Change { op: Op::Delete, key, data: None }
+        } else {
+            continue;
+        };
+        bytes += change.key.len() + change.data.as_ref().map_or(0, |d| d.get().len());
+        changes.push(change);
+        if bytes >= max_bytes {
+            return Ok((changes, true));
+        }
+    }
+    Ok((changes, false))
 }

@@ -8,6 +8,10 @@ use crate::exports::OP_COLUMN;
 use crate::feeds::{self, ChainPosition, Feed, Op};
 use crate::records::{AsOf, Record};
 
+/// A page of rows stops early past this many bytes, so memory follows bytes, not rows (records
+/// may be up to 1 MiB each).
+pub const PAGE_BYTES: usize = 8 << 20;
+
 pub enum Source<'a> {
     Snapshot(AsOf<'a>),
     Changes {
@@ -34,8 +38,7 @@ impl Source<'_> {
     pub async fn page(&self, pool: &PgPool, after: Option<&str>, limit: i64) -> anyhow::Result<SourcePage> {
         match self {
             Source::Snapshot(query) => {
-                let rows = query.page(pool, after, limit).await?;
-                let exhausted = (rows.len() as i64) < limit;
+                let (rows, exhausted) = query.page_within(pool, after, limit, PAGE_BYTES).await?;
                 let (first, last) = (rows.first().map(|r| r.key.clone()), rows.last().map(|r| r.key.clone()));
                 Ok(SourcePage { rows, first, last, exhausted })
             }

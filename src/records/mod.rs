@@ -146,7 +146,20 @@ impl<'a> AsOf<'a> {
         after: Option<&str>,
         limit: i64,
     ) -> sqlx::Result<Vec<Record>> {
-        sqlx::query_as(
+        Ok(self.page_within(executor, after, limit, usize::MAX).await?.0)
+    }
+
+    /// [`page`](Self::page), stopping early once the rows read hold `max_bytes` (records are
+    /// streamed, so memory follows bytes, not rows). Also says whether the dataset ended.
+    pub async fn page_within<'e>(
+        &self,
+        executor: impl PgExecutor<'e>,
+        after: Option<&str>,
+        limit: i64,
+        max_bytes: usize,
+    ) -> sqlx::Result<(Vec<Record>, bool)> {
+        use futures_util::TryStreamExt;
+        let mut stream = sqlx::query_as::<_, Record>(
             "SELECT v.key, v.data::text AS data FROM record_versions v
              WHERE v.tenant = $1 AND v.dataset = $2 AND v.key > $4
                AND exportd_live_at(v.created_xid, v.closed_xid, $3::pg_snapshot)
@@ -163,8 +176,17 @@ impl<'a> AsOf<'a> {
         .bind(limit)
         .bind(non_null(self.filters[0]))
         .bind(non_null(self.filters[1]))
-        .fetch_all(executor)
-        .await
+        .fetch(executor);
+        let (mut rows, mut bytes) = (Vec::new(), 0usize);
+        while let Some(record) = stream.try_next().await? {
+            bytes += record.key.len() + record.data.len();
+            rows.push(record);
+            if bytes >= max_bytes && (rows.len() as i64) < limit {
+                return Ok((rows, false));
+            }
+        }
+        let ended = (rows.len() as i64) < limit;
+        Ok((rows, ended))
     }
 }
 
