@@ -377,3 +377,47 @@ async fn pages_of_big_records_are_bounded_by_bytes_not_rows(pool: PgPool) {
     assert_eq!(csv.len(), 31);
     assert!(csv[1..].iter().all(|r| r.iter().any(|cell| cell.len() == 900_000)));
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn tiny_shards_are_bounded_in_count_and_their_links_come_in_pages(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 250).await;
+    let admin = app.token("acme", "alice");
+    // 250 one-row shards: the links of a status response come 100 at a time.
+    let id = app.export(&admin, &full_csv(1)).await;
+    app.drain().await;
+    let status: Value = app.get(Some(&admin), &format!("/v1/exports/{id}")).await.json().await.unwrap();
+    assert_eq!(status["state"], "SUCCEEDED");
+    assert_eq!(status["links"]["shards"].as_array().unwrap().len(), 100);
+    let mut next = status["links"]["shards_next"].as_str().unwrap().to_owned();
+    let mut pages = vec![100];
+    loop {
+        let page: Value = app.get(Some(&admin), &next).await.json().await.unwrap();
+        pages.push(page["links"]["shards"].as_array().unwrap().len());
+        assert!(
+            page["links"]["shards"][0]
+                .as_str()
+                .unwrap()
+                .contains(&format!("/shards/{}?", page["links"]["shards_from"]))
+        );
+        match page["links"]["shards_next"].as_str() {
+            Some(more) => next = more.to_owned(),
+            None => break,
+        }
+    }
+    assert_eq!(pages, vec![100, 100, 50]);
+    // A worker allowed 40 shards fails such an export before writing the 41st.
+    let id = app.export(&admin, &full_csv(1)).await;
+    let deps = exportd::jobs::WorkerDeps {
+        config: exportd::jobs::WorkerConfig {
+            max_shards: 40,
+            yield_between_shards: false,
+            ..exportd::jobs::WorkerConfig::default()
+        },
+        ..app.deps()
+    };
+    let steps = exportd::jobs::drain(&deps, "bounded").await.unwrap();
+    assert_eq!(steps, vec![exportd::jobs::Step::Failed { code: "too-many-shards".into() }]);
+    let status: Value = app.get(Some(&admin), &format!("/v1/exports/{id}")).await.json().await.unwrap();
+    assert_eq!(status["error"]["code"], "too-many-shards");
+}

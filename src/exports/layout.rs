@@ -51,14 +51,26 @@ impl ShardRecord {
 }
 
 /// The checkpointed shards of an export, in order.
+/// The SELECT list matching [`ShardRecord`].
+const SHARD_COLUMNS: &str = "shard_index, first_key, last_key, rows, bytes, sha256, object_key, \
+     head_bytes, head_crc32, head_raw_bytes, body_bytes, body_crc32, body_raw_bytes";
+
 pub async fn shards(pool: &PgPool, export_id: Uuid) -> sqlx::Result<Vec<ShardRecord>> {
-    sqlx::query_as(
-        "SELECT shard_index, first_key, last_key, rows, bytes, sha256, object_key,
-                head_bytes, head_crc32, head_raw_bytes, body_bytes, body_crc32, body_raw_bytes
-         FROM export_shards WHERE export_id = $1 ORDER BY shard_index",
-    )
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {SHARD_COLUMNS} FROM export_shards WHERE export_id = $1 ORDER BY shard_index"
+    )))
     .bind(export_id)
     .fetch_all(pool)
+    .await
+}
+
+/// The export's last checkpoint, if any (where its next shard starts): one index probe.
+pub async fn last_shard(pool: &PgPool, export_id: Uuid) -> sqlx::Result<Option<ShardRecord>> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {SHARD_COLUMNS} FROM export_shards WHERE export_id = $1 ORDER BY shard_index DESC LIMIT 1"
+    )))
+    .bind(export_id)
+    .fetch_optional(pool)
     .await
 }
 

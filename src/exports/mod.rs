@@ -16,7 +16,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 pub use incremental::{FeedContext, store_cursor};
-pub use layout::{Layout, Segment, ShardRecord, shards};
+pub use layout::{Layout, Segment, ShardRecord, last_shard, shards};
 pub use manifest::{MANIFEST_VERSION, Manifest, ManifestFile, ManifestShard, shard_name};
 pub use request::{DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode, OP_COLUMN};
 pub use state::ExportState;

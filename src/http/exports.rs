@@ -81,8 +81,21 @@ pub struct FileView {
 pub struct Links {
     /// The whole export as one gzip file.
     file: String,
-    /// One link per shard, in order.
+    /// Links to shards `shards_from`, `shards_from + 1`, … — at most 100 per response.
     shards: Vec<String>,
+    shards_from: u32,
+    /// The status request that signs the next shards' links, while there are more.
+    shards_next: Option<String>,
+}
+
+/// Shard links signed per status response.
+const SHARD_LINKS_PER_PAGE: u32 = 100;
+
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct StatusParams {
+    /// The first shard whose link to sign (default 0); at most 100 shard links per response.
+    shard_links_from: Option<u32>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -197,15 +210,17 @@ fn idempotency_key(headers: &HeaderMap) -> ApiResult<IdempotencyKey> {
 
 /// One export's state and progress. 404 when it does not exist or is not the caller's to see.
 #[utoipa::path(get, path = "/v1/exports/{id}", tag = "exports", security(("bearer" = [])),
-    params(("id" = String, Path)),
+    params(("id" = String, Path), StatusParams),
     responses((status = 200, body = ExportView), (status = 404, description = "absent or not visible")))]
 async fn get_export(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    Query(params): Query<StatusParams>,
 ) -> ApiResult<axum::Json<ExportView>> {
     let job = exports::get(&state.pool, &caller, export_id(&id)?).await?;
-    let links = (job.state == ExportState::Succeeded).then(|| sign_links(&state, &caller, &job));
+    let from = params.shard_links_from.unwrap_or(0);
+    let links = (job.state == ExportState::Succeeded).then(|| sign_links(&state, &caller, &job, from));
     let mut view = ExportView::from(job);
     if let Some((links, expire_at)) = links {
         view.links = Some(links);
@@ -214,8 +229,8 @@ async fn get_export(
     Ok(axum::Json(view))
 }
 
-/// Links for the whole file and every shard, bound to the caller and this export.
-fn sign_links(state: &AppState, caller: &Caller, job: &ExportJob) -> (Links, OffsetDateTime) {
+/// Links for the whole file and a page of shards from `from`, bound to the caller and this export.
+fn sign_links(state: &AppState, caller: &Caller, job: &ExportJob, from: u32) -> (Links, OffsetDateTime) {
     let now = state.clock.unix_seconds();
     let sign = |object: Object| {
         let (tenant, principal) = (caller.tenant.id.as_str(), caller.principal.id.as_str());
@@ -226,8 +241,11 @@ fn sign_links(state: &AppState, caller: &Caller, job: &ExportJob) -> (Links, Off
         };
         format!("/v1/exports/{}/{path}?token={token}", job.id)
     };
-    let shards = (0..job.shards_done.max(0) as u32).map(|n| sign(Object::Shard(n))).collect();
-    let links = Links { file: sign(Object::File), shards };
+    let total = job.shards_done.max(0) as u32;
+    let until = from.saturating_add(SHARD_LINKS_PER_PAGE).min(total);
+    let shards = (from..until).map(|n| sign(Object::Shard(n))).collect();
+    let shards_next = (until < total).then(|| format!("/v1/exports/{}?shard_links_from={until}", job.id));
+    let links = Links { file: sign(Object::File), shards, shards_from: from, shards_next };
     let expire_at = OffsetDateTime::from_unix_timestamp((now + state.link_ttl.as_secs()) as i64)
         .unwrap_or(OffsetDateTime::UNIX_EPOCH);
     (links, expire_at)

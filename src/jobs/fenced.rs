@@ -146,8 +146,10 @@ pub enum Refused {
 
 /// Records a shard file and advances progress, only while the job is RUNNING under this lease
 /// and the tenant's stored bytes stay within `storage_limit`. The tenant's usage row is locked
-/// first, so concurrent workers count one after another; stored bytes are summed from the
-/// checkpoints themselves, so a rewritten shard or a retried attempt is never charged twice.
+/// first, so concurrent workers count one after another. Stored bytes are the `bytes_done` of
+/// the tenant's jobs whose files exist (one row per job, kept equal to the sum of its
+/// checkpoints), with this shard's earlier checkpoint replaced: a rewritten shard or a retried
+/// attempt is never charged twice, and the cost does not grow with the number of shards.
 pub async fn record_shard(
     pool: &PgPool,
     lease: Lease,
@@ -157,16 +159,17 @@ pub async fn record_shard(
 ) -> sqlx::Result<Result<(), Refused>> {
     let mut tx = pool.begin().await?;
     crate::quota::lock_tenant(&mut tx, tenant).await?;
-    let stored: i64 = sqlx::query_scalar(
-        "SELECT coalesce(sum(s.bytes), 0)::bigint FROM export_shards s JOIN export_jobs j ON j.id = s.export_id
-         WHERE j.tenant = $1 AND j.files_deleted_at IS NULL AND NOT (s.export_id = $2 AND s.shard_index = $3)",
+    let (stored, replaced_rows, replaced_bytes): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT coalesce(sum(bytes_done), 0)::bigint FROM export_jobs WHERE tenant = $1 AND files_deleted_at IS NULL),
+                coalesce(s.rows, 0), coalesce(s.bytes, 0)
+         FROM (SELECT 1) one LEFT JOIN export_shards s ON s.export_id = $2 AND s.shard_index = $3",
     )
     .bind(tenant)
     .bind(lease.job_id)
     .bind(shard.shard_index)
     .fetch_one(&mut *tx)
     .await?;
-    let stored = stored as u64 + shard.bytes as u64;
+    let stored = (stored - replaced_bytes).max(0) as u64 + shard.bytes as u64;
     if stored > storage_limit {
         return Ok(Err(Refused::StorageQuota { stored, limit: storage_limit }));
     }
@@ -174,8 +177,8 @@ pub async fn record_shard(
         "WITH fenced AS (
              UPDATE export_jobs SET
                  shards_done = GREATEST(shards_done, $3 + 1),
-                 rows_done = (SELECT coalesce(sum(rows), 0) FROM export_shards WHERE export_id = $1 AND shard_index <> $3) + $6,
-                 bytes_done = (SELECT coalesce(sum(bytes), 0) FROM export_shards WHERE export_id = $1 AND shard_index <> $3) + $7
+                 rows_done = rows_done - $16 + $6,
+                 bytes_done = bytes_done - $17 + $7
              WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING'
              RETURNING id)
          INSERT INTO export_shards (export_id, shard_index, first_key, last_key, rows, bytes, sha256, object_key,
@@ -199,6 +202,8 @@ pub async fn record_shard(
     .bind(shard.body_bytes)
     .bind(shard.body_crc32)
     .bind(shard.body_raw_bytes)
+    .bind(replaced_rows)
+    .bind(replaced_bytes)
     .fetch_optional(&mut *tx)
     .await?;
     if recorded.is_none() {

@@ -35,6 +35,9 @@ pub struct WorkerConfig {
     pub max_attempts: i32,
     /// Give the job back after every shard, so the next claim can serve another tenant.
     pub yield_between_shards: bool,
+    /// Shards one export may have (else `too-many-shards`): each is a file, a checkpoint row and
+    /// a link, so a tiny `shard_rows` over a big dataset would otherwise cost without bound.
+    pub max_shards: u32,
 }
 
 impl Default for WorkerConfig {
@@ -45,6 +48,7 @@ impl Default for WorkerConfig {
             poll_interval: Duration::from_secs(1),
             max_attempts: 5,
             yield_between_shards: true,
+            max_shards: 10_000,
         }
     }
 }

@@ -74,8 +74,15 @@ pub struct ClaimedExport {
     job: ExportJob,
     lease: Lease,
     plan: Plan,
-    checkpoints: Vec<ShardRecord>,
+    /// Checkpoints an earlier attempt left, to verify before going on (none after a clean
+    /// hand-back: nothing happened to them since).
+    to_verify: Vec<ShardRecord>,
     verified: usize,
+    /// Shards checkpointed so far, their rows, and the last one (where the next shard starts):
+    /// kept without reloading every checkpoint, so a shard costs the same however many precede it.
+    done: u32,
+    rows_done: u64,
+    last: Option<ShardRecord>,
     phase: Phase,
     heartbeat: Heartbeat,
 }
@@ -96,16 +103,26 @@ impl ClaimedExport {
         }
         tracing::info!(export = %job.id, tenant = %job.tenant, generation = lease.generation, attempt = job.attempts, "claimed export");
         let plan = Plan::from_job(&job)?;
-        let checkpoints = exports::shards(&deps.pool, job.id).await?;
+        let rows_done = job.rows_done.max(0) as u64;
+        // Files of a job given back cleanly between shards need no second look.
+        let (to_verify, last) = if was_yielded {
+            (Vec::new(), exports::last_shard(&deps.pool, job.id).await?)
+        } else {
+            let all = exports::shards(&deps.pool, job.id).await?;
+            let last = all.last().cloned();
+            (all, last)
+        };
         let heartbeat = Heartbeat { deps: deps.clone(), lease, last: Mutex::new(Instant::now()) };
         Ok(Some(ClaimedExport {
             deps: deps.clone(),
             job,
             lease,
             plan,
-            // Files of a job given back cleanly between shards need no second look.
-            verified: if was_yielded { checkpoints.len() } else { 0 },
-            checkpoints,
+            verified: 0,
+            to_verify,
+            done: last.as_ref().map_or(0, |c| c.shard_index as u32 + 1),
+            rows_done,
+            last,
             phase: Phase::Start,
             heartbeat,
         }))
@@ -139,13 +156,13 @@ impl ClaimedExport {
                     if let Some(stop) = self.renew().await? {
                         return Ok(stop);
                     }
-                    if self.verified < self.checkpoints.len() {
+                    if self.verified < self.to_verify.len() {
                         return self.verify_shard(self.verified).await;
                     }
                     self.phase = Phase::Write;
                 }
                 Phase::Write => {
-                    let last_written = self.checkpoints.last().is_some_and(|c| (c.rows as u64) < self.plan.shard_rows);
+                    let last_written = self.last.as_ref().is_some_and(|c| (c.rows as u64) < self.plan.shard_rows);
                     if last_written {
                         self.phase = Phase::Publish;
                         continue;
@@ -251,7 +268,7 @@ impl ClaimedExport {
     }
 
     async fn verify_shard(&mut self, index: usize) -> anyhow::Result<Step> {
-        let checkpoint = self.checkpoints[index].clone();
+        let checkpoint = self.to_verify[index].clone();
         let key = ObjectKey::parse(&checkpoint.object_key).map_err(anyhow::Error::msg)?;
         let store = self.deps.store.clone();
         let found = tokio::task::spawn_blocking(move || store.digest(&key)).await??;
@@ -260,7 +277,7 @@ impl ClaimedExport {
             return Ok(Step::ShardVerified { index: index as u32 });
         }
         tracing::warn!(export = %self.job.id, shard = index, "checkpointed shard file is missing or corrupt; rewriting it");
-        let after = index.checked_sub(1).and_then(|i| self.checkpoints[i].last_key.clone());
+        let after = index.checked_sub(1).and_then(|i| self.to_verify[i].last_key.clone());
         let written = shard::write_shard(&self.deps.pool, self.shard_job(index as u32, after, u64::MAX), || {
             self.heartbeat.keep_going()
         })
@@ -289,15 +306,25 @@ impl ClaimedExport {
         if checkpoint.object_key != rewritten.object_key {
             self.deps.store.delete(&ObjectKey::parse(&checkpoint.object_key).map_err(anyhow::Error::msg)?)?;
         }
-        self.checkpoints[index] = rewritten;
+        if self.last.as_ref().is_some_and(|l| l.shard_index == rewritten.shard_index) {
+            self.last = Some(rewritten.clone());
+        }
+        self.to_verify[index] = rewritten;
         self.verified += 1;
         Ok(Step::ShardRewritten { index: index as u32 })
     }
 
     async fn write_next_shard(&mut self) -> anyhow::Result<Step> {
-        let index = self.checkpoints.len() as u32;
-        let after = self.checkpoints.last().and_then(|c| c.last_key.clone());
-        let rows_before: u64 = self.checkpoints.iter().map(|c| c.rows as u64).sum();
+        let index = self.done;
+        let max_shards = self.deps.config.max_shards;
+        if index >= max_shards {
+            let detail = format!(
+                "the export would have more than {max_shards} shards; create it again with a larger shard_rows"
+            );
+            return self.fail("too-many-shards", &detail).await;
+        }
+        let after = self.last.as_ref().and_then(|c| c.last_key.clone());
+        let rows_before = self.rows_done;
         let max_rows = self.deps.registry.get(&self.job.tenant).map_or(0, |t| t.quota.max_rows_per_export);
         let allowed = max_rows.saturating_sub(rows_before);
         // A new shard may wait for the tenant's scan budget elsewhere (Throttled); a rewrite may not.
@@ -338,8 +365,9 @@ impl ClaimedExport {
         }
         let rows = checkpoint.rows as u64;
         let last = rows < self.plan.shard_rows;
-        self.checkpoints.push(checkpoint);
-        self.verified += 1;
+        self.done += 1;
+        self.rows_done += rows;
+        self.last = Some(checkpoint);
         if last {
             self.phase = Phase::Publish;
         }
@@ -350,12 +378,14 @@ impl ClaimedExport {
         if let Err(reason) = self.authorized() {
             return self.fail("permission-revoked", &reason).await;
         }
-        let layout = Layout::whole_file(&self.checkpoints);
+        let checkpoints = exports::shards(&self.deps.pool, self.job.id).await?;
+        let layout = Layout::whole_file(&checkpoints);
         let store = self.deps.store.clone();
         let file_layout = layout.clone();
         let file_sha256 = tokio::task::spawn_blocking(move || file_layout.sha256(&store)).await??;
         let next_cursor = self.plan.next_cursor(&self.deps, &self.job).await?;
         let manifest = self.manifest(
+            &checkpoints,
             next_cursor,
             ManifestFile {
                 name: format!("{}.{}", self.job.dataset, self.plan.format.extension()),
@@ -368,7 +398,7 @@ impl ClaimedExport {
         let publication = Publication {
             manifest: &bytes,
             manifest_sha256: &sha256_hex(&bytes),
-            shards: self.checkpoints.len() as i32,
+            shards: checkpoints.len() as i32,
             rows: manifest.total_rows as i64,
             bytes: manifest.total_bytes as i64,
             file_bytes: manifest.file.bytes as i64,
@@ -383,16 +413,15 @@ impl ClaimedExport {
                 let seconds = (time::OffsetDateTime::now_utc() - started).as_seconds_f64().max(0.0);
                 metrics::histogram!("exportd_export_duration_seconds", "tenant" => self.job.tenant.clone())
                     .record(seconds);
-                tracing::info!(export = %self.job.id, rows = manifest.total_rows, shards = self.checkpoints.len(), "published export");
+                tracing::info!(export = %self.job.id, rows = manifest.total_rows, shards = checkpoints.len(), "published export");
                 Ok(Step::Published)
             }
             Err(LeaseLost) => self.after_refused_write().await,
         }
     }
 
-    fn manifest(&self, next_cursor: String, file: ManifestFile) -> Manifest {
-        let shards: Vec<ManifestShard> = self
-            .checkpoints
+    fn manifest(&self, checkpoints: &[ShardRecord], next_cursor: String, file: ManifestFile) -> Manifest {
+        let shards: Vec<ManifestShard> = checkpoints
             .iter()
             .map(|c| ManifestShard {
                 index: c.shard_index as u32,

@@ -57,8 +57,7 @@ pub async fn usage(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sqlx:
     .fetch_one(pool)
     .await?;
     let stored_bytes: i64 = sqlx::query_scalar(
-        "SELECT coalesce(sum(s.bytes), 0)::bigint FROM export_shards s JOIN export_jobs j ON j.id = s.export_id
-         WHERE j.tenant = $1 AND j.files_deleted_at IS NULL",
+        "SELECT coalesce(sum(bytes_done), 0)::bigint FROM export_jobs WHERE tenant = $1 AND files_deleted_at IS NULL",
     )
     .bind(id)
     .fetch_one(pool)
