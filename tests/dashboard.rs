@@ -14,15 +14,10 @@ fn chromium() -> String {
 }
 
 /// A local page that signs in with `token` by posting the dashboard's form, as a person would.
-fn sign_in_page(dir: &Path, app: &TestApp, token: &str) -> String {
-    let html = format!(
-        "<!doctype html><form method=post action='{}'><input name=token value='{token}'></form>\
-         <script>document.forms[0].submit()</script>",
-        app.url("/dashboard/signin")
-    );
-    let path = dir.join("signin.html");
-    std::fs::write(&path, html).unwrap();
-    format!("file://{}", path.display())
+/// A one-minute sign-in link for the admin of `token`, as an API client would ask for it.
+async fn sign_in_url(app: &TestApp, token: &str) -> String {
+    let ticket: Value = app.post(token, "/v1/dashboard/tickets").await.json().await.unwrap();
+    app.url(ticket["url"].as_str().unwrap())
 }
 
 async fn browse(dir: &Path, url: &str, output: &[&str]) -> String {
@@ -60,7 +55,7 @@ async fn the_dashboard_shows_the_numbers_of_the_usage_api(pool: PgPool) {
     let usage: Value = app.get(Some(&admin), "/v1/usage").await.json().await.unwrap();
 
     let dir = tempfile::tempdir().unwrap();
-    let url = sign_in_page(dir.path(), &app, &admin);
+    let url = sign_in_url(&app, &admin).await;
     let dom = browse(dir.path(), &url, &["--dump-dom"]).await;
     for key in ["running_exports", "queued_exports", "stored_bytes", "egress_bytes_today", "rows_exported_today"] {
         assert_eq!(shown(&dom, "data-metric", key), usage["usage"][key].to_string(), "{key}");
@@ -84,21 +79,41 @@ async fn the_dashboard_asks_for_an_admin_token(pool: PgPool) {
     assert_eq!(page.status(), 200);
     assert!(page.headers()["content-security-policy"].to_str().unwrap().contains("default-src 'none'"));
     assert!(page.text().await.unwrap().contains("<form method=post action=/dashboard/signin>"));
-    let partner = app
-        .client
+    let origin = app.url("");
+    let sign_in = |client: &reqwest::Client, token: String, origin: &str| {
+        client.post(app.url("/dashboard/signin")).header("origin", origin).form(&[("token", token)]).send()
+    };
+    let partner = sign_in(&app.client, app.token("acme", "zenpartner"), &origin).await.unwrap();
+    assert_eq!(partner.status(), 401);
+    let admin = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+    let alice = app.token("acme", "alice");
+    // A form on another site (or a sandboxed frame: origin null) cannot sign a browser in.
+    for foreign in ["https://evil.example", "null"] {
+        assert_eq!(sign_in(&admin, alice.clone(), foreign).await.unwrap().status(), 403, "{foreign}");
+    }
+    let signed_in = sign_in(&admin, alice.clone(), &origin).await.unwrap();
+    assert_eq!(signed_in.status(), 303);
+    let cookie = signed_in.headers()["set-cookie"].to_str().unwrap().to_owned();
+    assert!(cookie.contains("HttpOnly") && cookie.contains("Path=/dashboard") && !cookie.contains("Secure"));
+    assert!(!cookie.contains(&alice), "the cookie holds a session, not the API token");
+    let session = cookie.split(';').next().unwrap().to_owned();
+    let page = admin.get(app.url("/dashboard")).header("cookie", &session).send().await.unwrap();
+    assert!(page.text().await.unwrap().contains("Acme (tests)"));
+    // The session is for the dashboard only: the API does not take it.
+    let value = session.split_once('=').unwrap().1;
+    assert_eq!(app.get(Some(value), "/v1/usage").await.status(), 401);
+    // Behind a TLS-terminating proxy the cookie is Secure.
+    let proxied = admin
         .post(app.url("/dashboard/signin"))
-        .form(&[("token", app.token("acme", "zenpartner"))])
+        .header("origin", &origin)
+        .header("x-forwarded-proto", "https")
+        .form(&[("token", alice)])
         .send()
         .await
         .unwrap();
-    assert_eq!(partner.status(), 401);
-    let admin = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
-    let signed_in =
-        admin.post(app.url("/dashboard/signin")).form(&[("token", app.token("acme", "alice"))]).send().await.unwrap();
-    assert_eq!(signed_in.status(), 303);
-    let cookie = signed_in.headers()["set-cookie"].to_str().unwrap().to_owned();
-    assert!(cookie.contains("HttpOnly") && cookie.contains("Path=/dashboard"));
-    let page =
-        admin.get(app.url("/dashboard")).header("cookie", cookie.split(';').next().unwrap()).send().await.unwrap();
-    assert!(page.text().await.unwrap().contains("Acme (tests)"));
+    assert!(proxied.headers()["set-cookie"].to_str().unwrap().contains("Secure"));
+    // Sign-in links expire.
+    let url = sign_in_url(&app, &app.token("acme", "alice")).await;
+    app.clock.advance(std::time::Duration::from_secs(61));
+    assert_eq!(admin.get(url).send().await.unwrap().status(), 401);
 }

@@ -264,3 +264,23 @@ async fn exportd_worker_keeps_serving_until_sigterm_then_exits_cleanly(pool: PgP
     let status = wait_exit(&mut worker, Duration::from_secs(25)).await.expect("exits after SIGTERM");
     assert!(status.success(), "exit status {status}: {}", std::fs::read_to_string(&log).unwrap());
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_record_the_encoder_refuses_fails_the_export_at_once_with_a_clear_code(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 5).await;
+    // Written around the write functions (an older release had no depth limit): 200 levels deep.
+    let deep = format!("{}1{}", "[".repeat(200), "]".repeat(200));
+    sqlx::query(
+        "INSERT INTO record_versions (tenant, dataset, key, data)
+         VALUES ('acme', 'tickets', 'poison', jsonb_build_object('subject', 's', 'status', 'open', 'tags', $1::text::jsonb))",
+    )
+    .bind(&deep)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let id = app.export(&app.token("acme", "alice"), &full_csv(100)).await;
+    assert_eq!(app.drain().await, vec![Step::Failed { code: "unencodable-record".into() }]);
+    let (state, attempts, _, _) = job(&app.pool, &id).await;
+    assert_eq!((state.as_str(), attempts), ("FAILED", 1), "no retries, no attempts burnt");
+}

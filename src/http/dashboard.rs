@@ -1,27 +1,32 @@
 //! `GET /dashboard`: a server-rendered page for tenant admins — usage against limits, queue depth
-//! and ages, recent exports — refreshing itself. No script, no external assets. Sign-in posts a
-//! bearer token once; it is kept in an HttpOnly cookie scoped to the dashboard.
+//! and ages, recent exports — refreshing itself. No script, no external assets. Sign-in turns an
+//! admin's bearer token (posted from this page) or a sign-in ticket into a dashboard session
+//! (`session.rs`); the cookie never holds the API token.
 
 use std::fmt::Write;
 
 use axum::extract::State;
-use axum::http::header::{AUTHORIZATION, CONTENT_SECURITY_POLICY, CONTENT_TYPE, COOKIE, LOCATION, SET_COOKIE};
+use axum::http::header::{AUTHORIZATION, CONTENT_SECURITY_POLICY, CONTENT_TYPE, LOCATION, SET_COOKIE};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Form, Router};
 use serde::Deserialize;
 
+use super::session;
 use super::state::AppState;
 use crate::auth::{self, Caller};
 use crate::exports::{self, ExportJob};
 use crate::quota::Usage;
 
-const COOKIE_NAME: &str = "exportd_session";
 const CSP: &str = "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'";
 
 pub fn router() -> Router<AppState> {
-    Router::new().route("/dashboard", get(dashboard)).route("/dashboard/signin", post(sign_in))
+    Router::new()
+        .route("/dashboard", get(dashboard))
+        .route("/dashboard/signin", post(sign_in))
+        .route("/dashboard/session", get(open_ticket))
+        .route("/v1/dashboard/tickets", post(new_ticket))
 }
 
 #[derive(Deserialize)]
@@ -29,24 +34,56 @@ struct SignIn {
     token: String,
 }
 
-async fn sign_in(State(state): State<AppState>, Form(form): Form<SignIn>) -> Response {
+/// The sign-in form: an admin's bearer token, posted from the dashboard's own page, becomes a
+/// dashboard session (the token itself is not kept).
+async fn sign_in(State(state): State<AppState>, headers: HeaderMap, Form(form): Form<SignIn>) -> Response {
+    if !session::same_origin(&headers) {
+        return page(StatusCode::FORBIDDEN, &sign_in_form(Some("Sign in from the dashboard's own page.")));
+    }
     match admin(&state, form.token.trim()) {
-        Some(_) => {
-            // Lax, not Strict: the redirect that follows must carry it.
-            let cookie =
-                format!("{COOKIE_NAME}={}; HttpOnly; SameSite=Lax; Path=/dashboard; Max-Age=3600", form.token.trim());
-            let mut response = (StatusCode::SEE_OTHER, [(LOCATION, "/dashboard")]).into_response();
-            if let Ok(value) = HeaderValue::from_str(&cookie) {
-                response.headers_mut().insert(SET_COOKIE, value);
-            }
-            response
-        }
+        Some(caller) => signed_in(&state, &caller, &headers),
         None => page(StatusCode::UNAUTHORIZED, &sign_in_form(Some("That token is not a valid tenant admin token."))),
     }
 }
 
+/// `POST /v1/dashboard/tickets` (tenant admin, bearer): a one-minute link that signs a browser in.
+async fn new_ticket(State(state): State<AppState>, caller: Caller) -> Response {
+    if !caller.principal.is_admin() {
+        return super::ApiError::forbidden("only tenant admins can open the dashboard").into_response();
+    }
+    let url = format!("/dashboard/session?ticket={}", session::new_ticket(&state, &caller));
+    let expires_at = session::ticket_expiry(&state).format(&time::format_description::well_known::Rfc3339);
+    axum::Json(serde_json::json!({"url": url, "expires_at": expires_at.unwrap_or_default()})).into_response()
+}
+
+#[derive(Deserialize)]
+struct Ticket {
+    ticket: String,
+}
+
+async fn open_ticket(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum::extract::Query(ticket): axum::extract::Query<Ticket>,
+) -> Response {
+    match session::ticket_caller(&state, &ticket.ticket) {
+        Some(caller) => signed_in(&state, &caller, &headers),
+        None => page(StatusCode::UNAUTHORIZED, &sign_in_form(Some("That sign-in link is not valid or has expired."))),
+    }
+}
+
+fn signed_in(state: &AppState, caller: &Caller, headers: &HeaderMap) -> Response {
+    let cookie = session::cookie(&session::new_session(state, caller), headers);
+    let mut response = (StatusCode::SEE_OTHER, [(LOCATION, "/dashboard")]).into_response();
+    if let Ok(value) = HeaderValue::from_str(&cookie) {
+        response.headers_mut().insert(SET_COOKIE, value);
+    }
+    response
+}
+
 async fn dashboard(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    let Some(caller) = token(&headers).and_then(|t| admin(&state, t)) else {
+    let bearer = bearer(&headers).and_then(|t| admin(&state, t));
+    let Some(caller) = bearer.or_else(|| session::session_caller(&state, &headers)) else {
         return page(StatusCode::OK, &sign_in_form(None));
     };
     if let Err(refused) = super::extract::admit(&state, &caller) {
@@ -60,19 +97,9 @@ async fn dashboard(State(state): State<AppState>, headers: HeaderMap) -> Respons
     }
 }
 
-/// The bearer token from the Authorization header or the session cookie.
-fn token(headers: &HeaderMap) -> Option<&str> {
-    if let Some(bearer) =
-        headers.get(AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "))
-    {
-        return Some(bearer.trim());
-    }
-    headers
-        .get_all(COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .find_map(|c| c.trim().strip_prefix(COOKIE_NAME)?.strip_prefix('='))
+/// The bearer token of an Authorization header (API clients reading the page).
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers.get(AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim)
 }
 
 fn admin(state: &AppState, token: &str) -> Option<Caller> {
@@ -189,11 +216,10 @@ mod tests {
     }
 
     #[test]
-    fn the_token_comes_from_the_header_or_the_cookie() {
+    fn the_bearer_token_is_read_from_the_authorization_header() {
         let mut headers = HeaderMap::new();
-        headers.insert(COOKIE, HeaderValue::from_static("a=b; exportd_session=tok123; c=d"));
-        assert_eq!(token(&headers), Some("tok123"));
+        assert_eq!(bearer(&headers), None);
         headers.insert(AUTHORIZATION, HeaderValue::from_static("Bearer other"));
-        assert_eq!(token(&headers), Some("other"));
+        assert_eq!(bearer(&headers), Some("other"));
     }
 }

@@ -186,6 +186,12 @@ impl ClaimedExport {
         let mut delays = crate::db::retry_delays();
         loop {
             match self.step().await {
+                // The same rows would fail the same way on every attempt: fail now, clearly.
+                Err(e) if is_unencodable(&e) => {
+                    tracing::error!(export = %self.job.id, error = format!("{e:#}"), "a record cannot be encoded");
+                    let detail = "a record of the dataset cannot be encoded in the export's format; fix or delete it and create the export again";
+                    return self.fail("unencodable-record", detail).await;
+                }
                 Err(e) if crate::db::is_transient_chain(&e) => {
                     let delay = delays.next().unwrap_or(self.deps.config.lease_ttl);
                     // Keep a sixth of the lease as margin: the retried step renews it first.
@@ -528,4 +534,12 @@ impl ClaimedExport {
             .context("deleting export files")?;
         Ok(())
     }
+}
+
+/// A record's stored JSON that the shard encoder refuses (serde_json reports it as
+/// `InvalidData`), as opposed to a failing disk or connection.
+fn is_unencodable(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::InvalidData)
+    })
 }

@@ -1,0 +1,226 @@
+//! The abuse suite: a hostile partner against a real `exportd serve` process (loopback only,
+//! bounded in count and time, stopping by itself). Each scenario prints its figures; the server's
+//! peak RSS is read from `/proc` (VmHWM, reset between scenarios). `scripts/abuse` runs it in a
+//! release build; it is ignored in the normal test run.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::processes::{database_url, wait_terminal};
+use common::{LINK_KEYS, TestApp, fixture_tenants_dir, full_csv};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+/// Peak resident memory of a process since the last reset, in MiB.
+fn peak_rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib / 1024.0
+}
+
+fn reset_peak_rss(pid: u32) {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
+}
+
+const IDLE_CONNECTIONS: usize = 18_000;
+
+fn p99(latencies: &mut [Duration]) -> Duration {
+    latencies.sort();
+    latencies[(latencies.len() * 99 / 100).min(latencies.len() - 1)]
+}
+
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn start_server(app: &TestApp) -> Server {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    #[allow(clippy::zombie_processes)] // waited for in `Server::drop`
+    let child = Command::new(env!("CARGO_BIN_EXE_exportd"))
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--workers", "1"])
+        .env("DATABASE_URL", database_url(&app.pool).await)
+        .env("EXPORTD_TENANTS_DIR", fixture_tenants_dir())
+        .env("EXPORTD_DATA_DIR", app.data_dir.path())
+        .env("EXPORTD_LINK_KEYS", LINK_KEYS)
+        .env("EXPORTD_LOG", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    for _ in 0..200 {
+        if reqwest::get(format!("{base}/healthz")).await.is_ok_and(|r| r.status() == 200) {
+            return Server { child, base };
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("exportd serve did not come up");
+}
+
+/// Sequential requests of a well-behaved tenant for `during`: latencies and errors.
+async fn well_behaved(base: &str, token: &str, during: Duration) -> (Vec<Duration>, usize) {
+    let client = reqwest::Client::new();
+    let (mut latencies, mut errors) = (Vec::new(), 0);
+    let start = Instant::now();
+    while start.elapsed() < during {
+        let sent = Instant::now();
+        match client.get(format!("{base}/v1/datasets")).bearer_auth(token).send().await {
+            Ok(r) if r.status() == 200 => latencies.push(sent.elapsed()),
+            _ => errors += 1,
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (latencies, errors)
+}
+
+#[sqlx::test(migrations = "./migrations")]
+#[ignore = "an abuse run of about a minute: scripts/abuse runs it"]
+async fn a_hostile_partner_does_not_hurt_another_tenant(pool: PgPool) {
+    let _ = rlimit::increase_nofile_limit(u64::MAX);
+    let app = TestApp::spawn(pool).await;
+    let server = start_server(&app).await;
+    let pid = server.child.id();
+    let base = server.base.clone();
+    let other = app.token("acme", "alice");
+    let hostile = app.token("initech", "milton"); // 2 requests/s
+
+    // 1. A 64-connection flood of refused requests from one partner.
+    let (mut quiet, quiet_errors) = well_behaved(&base, &other, Duration::from_secs(5)).await;
+    reset_peak_rss(pid);
+    let stop = Instant::now() + Duration::from_secs(15);
+    let flood: Vec<_> = (0..64)
+        .map(|_| {
+            let (base, token) = (base.clone(), hostile.clone());
+            tokio::spawn(async move {
+                let client = reqwest::Client::new();
+                let mut refused = 0u64;
+                while Instant::now() < stop {
+                    if let Ok(r) = client.get(format!("{base}/v1/datasets")).bearer_auth(&token).send().await
+                        && r.status() == 429
+                    {
+                        refused += 1;
+                    }
+                }
+                refused
+            })
+        })
+        .collect();
+    let (mut loaded, loaded_errors) = well_behaved(&base, &other, Duration::from_secs(12)).await;
+    let mut refused = 0;
+    for task in flood {
+        refused += task.await.unwrap();
+    }
+    println!(
+        "429 flood (64 connections, 15 s): {refused} refused; other tenant p99 {:.1} ms unloaded, {:.1} ms loaded, \
+         {} errors; server peak RSS {:.0} MiB",
+        p99(&mut quiet).as_secs_f64() * 1000.0,
+        p99(&mut loaded).as_secs_f64() * 1000.0,
+        quiet_errors + loaded_errors,
+        peak_rss_mib(pid)
+    );
+    assert_eq!(loaded_errors, 0);
+    assert!(p99(&mut loaded) <= (p99(&mut quiet) * 3).max(Duration::from_millis(15)));
+
+    // 2. 18 000 idle connections while an export runs (this machine's hard RLIMIT_NOFILE is
+    // 20 000 per process, and the connecting side needs descriptors of its own).
+    app.seed("acme", "tickets", 20_000).await;
+    reset_peak_rss(pid);
+    let id = app.export(&other, &full_csv(2_000)).await;
+    let health_client = reqwest::Client::new(); // before the descriptors are spent on idle sockets
+    let mut idle = Vec::new();
+    let mut refused_connects = 0;
+    for _ in 0..IDLE_CONNECTIONS {
+        match tokio::net::TcpStream::connect(base.trim_start_matches("http://")).await {
+            Ok(stream) => idle.push(stream),
+            Err(_) => refused_connects += 1,
+        }
+    }
+    let sent = Instant::now();
+    let health = health_client.get(format!("{base}/healthz")).send().await.map(|r| r.status().as_u16());
+    let health_ms = sent.elapsed().as_secs_f64() * 1000.0;
+    let state = wait_terminal(&app.pool, &id, Duration::from_secs(120)).await;
+    println!(
+        "{IDLE_CONNECTIONS} idle connections ({refused_connects} connects failed): /healthz {:?} in {health_ms:.0} ms, \
+         export {state}; server peak RSS {:.0} MiB",
+        health,
+        peak_rss_mib(pid)
+    );
+    drop(idle);
+    assert_eq!(health.ok(), Some(200));
+    assert_eq!(state, "SUCCEEDED");
+
+    // 3. 2 000 concurrent downloads of one export by one partner-sized tenant.
+    reset_peak_rss(pid);
+    let client = reqwest::Client::new();
+    let downloads: Vec<_> = (0..2_000)
+        .map(|_| {
+            let (url, token, client) = (format!("{base}/v1/exports/{id}/file"), other.clone(), client.clone());
+            tokio::spawn(async move {
+                match client.get(url).bearer_auth(token).send().await {
+                    Ok(r) => {
+                        let status = r.status().as_u16();
+                        let _ = r.bytes().await;
+                        status
+                    }
+                    Err(_) => 0,
+                }
+            })
+        })
+        .collect();
+    let mut by_status = std::collections::BTreeMap::new();
+    for task in downloads {
+        *by_status.entry(task.await.unwrap()).or_insert(0) += 1;
+    }
+    println!("2 000 concurrent downloads: statuses {by_status:?}; server peak RSS {:.0} MiB", peak_rss_mib(pid));
+    assert!(!by_status.contains_key(&500));
+
+    // 4. Feed pages of ~900 kB records, six at once.
+    let start = app.cursor_now(&other, "tickets").await;
+    let big = "x".repeat(900_000);
+    for chunk in 0..20 {
+        let batch: Vec<Value> = (0..15)
+            .map(
+                |i| json!({"key": format!("big-{chunk}-{i}"), "data": {"subject": "s", "status": "open", "body": big}}),
+            )
+            .collect();
+        assert_eq!(app.ingest(&other, "tickets", &Value::Array(batch)).await.status(), 200);
+    }
+    app.tick().await;
+    tokio::time::sleep(Duration::from_secs(6)).await; // the tenant's safety delay, on the server's clock
+    reset_peak_rss(pid);
+    let pages: Vec<_> = (0..6)
+        .map(|_| {
+            let url = format!("{base}/v1/datasets/tickets/changes?limit=10000&cursor={start}");
+            let (token, client) = (other.clone(), client.clone());
+            tokio::spawn(async move {
+                let r = client.get(url).bearer_auth(token).send().await.unwrap();
+                r.bytes().await.unwrap().len()
+            })
+        })
+        .collect();
+    let mut sizes = Vec::new();
+    for page in pages {
+        sizes.push(page.await.unwrap());
+    }
+    println!(
+        "6 concurrent feed pages over 300 x 900 kB records: {:.1} MB each; server peak RSS {:.0} MiB",
+        sizes[0] as f64 / 1e6,
+        peak_rss_mib(pid)
+    );
+    assert!(sizes.iter().all(|s| *s < 12 << 20));
+    assert!(peak_rss_mib(pid) < 512.0);
+}
