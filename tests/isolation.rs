@@ -412,3 +412,49 @@ async fn tiny_shards_are_bounded_in_count_and_their_links_come_in_pages(pool: Pg
     let status: Value = app.get(Some(&admin), &format!("/v1/exports/{id}")).await.json().await.unwrap();
     assert_eq!(status["error"]["code"], "too-many-shards");
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_tenants_slow_requests_hold_at_most_its_own_slots(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let one_slot =
+        common::edited_registry("acme", |t| t.replace("max_concurrent_requests = 1000", "max_concurrent_requests = 1"));
+    let base = app.sibling(one_slot).await;
+    let admin = app.token("acme", "alice");
+    // A host transaction holds key k1, so acme's ingest of k1 waits on it (a slow request).
+    let mut host = app.pool.begin().await.unwrap();
+    let host_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *host).await.unwrap();
+    sqlx::query("SELECT exportd_upsert('acme', 'tickets', 'k1', '{\"subject\": \"host\", \"status\": \"open\"}')")
+        .execute(&mut *host)
+        .await
+        .unwrap();
+    let (client, url, token) = (app.client.clone(), format!("{base}/v1/datasets/tickets/records"), admin.clone());
+    let slow = tokio::spawn(async move {
+        let body = serde_json::json!([{"key": "k1", "data": {"subject": "batch", "status": "open"}}]);
+        client.post(url).bearer_auth(token).json(&body).send().await.unwrap().status()
+    });
+    let mut blocked = false;
+    for _ in 0..1000 {
+        let waiting: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))")
+                .bind(host_pid)
+                .fetch_one(&app.pool)
+                .await
+                .unwrap();
+        if waiting > 0 {
+            blocked = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(blocked, "the ingest waits on the host transaction");
+    // acme's only slot is taken: its next request is refused at once; globex is served.
+    let refused = app.client.get(format!("{base}/v1/datasets")).bearer_auth(&admin).send().await.unwrap();
+    assert_eq!(refused.status(), 429);
+    assert_eq!(problem(refused).await["code"], "too-many-concurrent-requests");
+    let other = app.client.get(format!("{base}/v1/datasets")).bearer_auth(app.token("globex", "hank")).send().await;
+    assert_eq!(other.unwrap().status(), 200);
+    host.commit().await.unwrap();
+    assert_eq!(slow.await.unwrap(), 200);
+    let freed = app.client.get(format!("{base}/v1/datasets")).bearer_auth(&admin).send().await.unwrap();
+    assert_eq!(freed.status(), 200, "the slot came back");
+}

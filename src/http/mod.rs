@@ -15,6 +15,7 @@ mod range;
 mod records;
 mod session;
 mod state;
+mod tenant_slots;
 mod usage;
 
 use std::time::Duration;
@@ -55,6 +56,7 @@ pub fn app(state: AppState) -> Router {
     .route("/metrics", axum::routing::get(metrics::metrics))
     .merge(dashboard::router())
     .fallback(error::fallback)
+    .layer(axum::middleware::from_fn_with_state(state.clone(), tenant_slots::bound_per_tenant))
     .with_state(state)
     // Router::layer: the last added is the outermost.
     // Applies to every body extractor (Bytes, Json, Form); past it a problem+json 413.

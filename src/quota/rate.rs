@@ -1,7 +1,7 @@
 //! In-process admission limits. API rates with `governor`: one keyed limiter per tenant (its own
 //! quota), keyed by the tenant for admins and by tenant + principal for partners. A refusal costs
 //! no database work: it is counted in memory and the counts are flushed in one statement every
-//! second or so. Concurrent downloads: a semaphore per tenant.
+//! second or so. Concurrent downloads and requests in progress: a semaphore per tenant each.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
@@ -22,6 +22,7 @@ pub struct RateLimits {
     /// Refusals not yet added to `tenant_usage.rate_limited`.
     refused: HashMap<TenantId, AtomicU64>,
     downloads: HashMap<TenantId, Arc<Semaphore>>,
+    requests: HashMap<TenantId, Arc<Semaphore>>,
     clock: DefaultClock,
 }
 
@@ -40,7 +41,11 @@ impl RateLimits {
             .tenants()
             .map(|t| (t.id.clone(), Arc::new(Semaphore::new(t.quota.max_concurrent_downloads as usize))))
             .collect();
-        RateLimits { api, refused, downloads, clock: DefaultClock::default() }
+        let requests = registry
+            .tenants()
+            .map(|t| (t.id.clone(), Arc::new(Semaphore::new(t.quota.max_concurrent_requests as usize))))
+            .collect();
+        RateLimits { api, refused, downloads, requests, clock: DefaultClock::default() }
     }
 
     /// A slot for one streaming download of the tenant, held until the body ends; `None` when
@@ -60,6 +65,12 @@ impl RateLimits {
             }
             not_until.wait_time_from(self.clock.now())
         })
+    }
+
+    /// A slot for one request of the tenant in progress; `None` when `max_concurrent_requests`
+    /// are in progress already.
+    pub fn request_slot(&self, tenant: &TenantId) -> Option<OwnedSemaphorePermit> {
+        self.requests.get(tenant)?.clone().try_acquire_owned().ok()
     }
 
     /// Refusals of this tenant counted here and not yet flushed.

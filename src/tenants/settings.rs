@@ -18,6 +18,9 @@ pub struct Quota {
     pub scan_rows_per_second: u32,
     /// Downloads of the tenant's principals streaming at once, per server process.
     pub max_concurrent_downloads: u32,
+    /// Requests of the tenant's principals in progress at once, per server process (the API has
+    /// 16 database connections: a tenant keeps to half of them).
+    pub max_concurrent_requests: u32,
 }
 
 impl Default for Quota {
@@ -33,6 +36,7 @@ impl Default for Quota {
             api_burst: 40,
             scan_rows_per_second: 1_000_000,
             max_concurrent_downloads: 8,
+            max_concurrent_requests: 8,
         }
     }
 }
@@ -45,6 +49,7 @@ impl Quota {
             ("max_rows_per_export", self.max_rows_per_export),
             ("api_requests_per_second", u64::from(self.api_requests_per_second)),
             ("max_concurrent_downloads", u64::from(self.max_concurrent_downloads)),
+            ("max_concurrent_requests", u64::from(self.max_concurrent_requests)),
             ("api_burst", u64::from(self.api_burst)),
             ("scan_rows_per_second", u64::from(self.scan_rows_per_second)),
         ];
