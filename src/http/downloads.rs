@@ -146,13 +146,8 @@ async fn serve(
     }
     let Some(slot) = state.limits.download_slot(&caller.tenant.id) else {
         metrics::counter!("exportd_quota_rejections_total", "kind" => "downloads").increment(1);
-        let mut e = ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "too-many-downloads",
-            "the tenant's max_concurrent_downloads are streaming; retry when one has finished",
-        );
-        e.retry_after_seconds = Some(1);
-        return e.into_response();
+        let detail = "the tenant's max_concurrent_downloads are streaming; retry when one has finished";
+        return ApiError::busy("too-many-downloads", detail).into_response();
     };
     // The download is admitted, and its bytes recorded, within today's egress quota.
     match quota::admit_download(&state.pool, &caller.tenant, event(status, bytes), state.clock.now()).await {

@@ -84,6 +84,13 @@ impl ApiError {
         e
     }
 
+    /// 429 with `Retry-After: 1`: the tenant's concurrent slots of a kind are all taken.
+    pub fn busy(code: &'static str, detail: &str) -> Self {
+        let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, code, detail);
+        e.retry_after_seconds = Some(1);
+        e
+    }
+
     pub fn with(mut self, member: &str, value: impl Into<Value>) -> Self {
         self.members.insert(member.to_owned(), value.into());
         self

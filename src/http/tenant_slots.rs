@@ -4,7 +4,6 @@
 //! One more gets 429 at once, costing nothing shared.
 
 use axum::extract::{Request, State};
-use axum::http::StatusCode;
 use axum::http::header::AUTHORIZATION;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -31,13 +30,8 @@ pub async fn bound_per_tenant(State(state): State<AppState>, request: Request, n
     };
     let Some(_slot) = state.limits.request_slot(&tenant) else {
         metrics::counter!("exportd_quota_rejections_total", "kind" => "concurrency").increment(1);
-        let mut e = ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "too-many-concurrent-requests",
-            "the tenant's max_concurrent_requests are in progress; retry when one has finished",
-        );
-        e.retry_after_seconds = Some(1);
-        return e.into_response();
+        let detail = "the tenant's max_concurrent_requests are in progress; retry when one has finished";
+        return ApiError::busy("too-many-concurrent-requests", detail).into_response();
     };
     next.run(request).await
 }
