@@ -26,6 +26,13 @@ pub struct Change {
     pub data: Option<Box<RawValue>>,
 }
 
+impl Change {
+    /// What the change adds to a page: its key and data.
+    fn bytes(&self) -> usize {
+        self.key.len() + self.data.as_ref().map_or(0, |d| d.get().len())
+    }
+}
+
 #[derive(Debug)]
 pub struct ChangePage {
     pub changes: Vec<Change>,
@@ -118,7 +125,7 @@ async fn collect<T>(
         let (changes, full) = window_changes(pool, feed, window, &keys, PAGE_BYTES.saturating_sub(*bytes)).await?;
         let mut last = None;
         for change in changes {
-            *bytes += change.key.len() + change.data.as_ref().map_or(0, |d| d.get().len());
+            *bytes += change.bytes();
             last = Some(change.key.clone());
             out.push(wrap(change));
             if out.len() == limit {
@@ -252,7 +259,7 @@ async fn window_changes(
         } else {
             continue;
         };
-        bytes += change.key.len() + change.data.as_ref().map_or(0, |d| d.get().len());
+        bytes += change.bytes();
         changes.push(change);
         if bytes >= max_bytes {
             return Ok((changes, true));

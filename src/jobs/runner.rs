@@ -78,9 +78,8 @@ pub struct ClaimedExport {
     /// hand-back: nothing happened to them since).
     to_verify: Vec<ShardRecord>,
     verified: usize,
-    /// Shards checkpointed so far, their rows, and the last one (where the next shard starts):
-    /// kept without reloading every checkpoint, so a shard costs the same however many precede it.
-    done: u32,
+    /// Rows checkpointed so far, and the last checkpoint (where the next shard starts): kept
+    /// without reloading every checkpoint, so a shard costs the same however many precede it.
     rows_done: u64,
     last: Option<ShardRecord>,
     phase: Phase,
@@ -120,7 +119,6 @@ impl ClaimedExport {
             plan,
             verified: 0,
             to_verify,
-            done: last.as_ref().map_or(0, |c| c.shard_index as u32 + 1),
             rows_done,
             last,
             phase: Phase::Start,
@@ -321,7 +319,7 @@ impl ClaimedExport {
     }
 
     async fn write_next_shard(&mut self) -> anyhow::Result<Step> {
-        let index = self.done;
+        let index = self.last.as_ref().map_or(0, |c| c.shard_index as u32 + 1);
         let max_shards = self.deps.config.max_shards;
         if index >= max_shards {
             let detail = format!(
@@ -371,7 +369,6 @@ impl ClaimedExport {
         }
         let rows = checkpoint.rows as u64;
         let last = rows < self.plan.shard_rows;
-        self.done += 1;
         self.rows_done += rows;
         self.last = Some(checkpoint);
         if last {
