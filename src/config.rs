@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 
+use crate::storage::StorageLocation;
+
 #[derive(Debug, Clone, Args)]
 pub struct Settings {
     /// PostgreSQL connection URL; the database is created if it does not exist.
@@ -14,9 +16,16 @@ pub struct Settings {
     #[arg(long, env = "EXPORTD_TENANTS_DIR", default_value = "./tenants", global = true)]
     pub tenants_dir: PathBuf,
 
-    /// Directory for export artifacts and other local state.
+    /// Directory for export artifacts (unless EXPORTD_STORAGE says otherwise) and other local state.
     #[arg(long, env = "EXPORTD_DATA_DIR", default_value = "./data", global = true)]
     pub data_dir: PathBuf,
+
+    /// Where export files are stored: unset = EXPORTD_DATA_DIR, `file:///dir`, or
+    /// `s3://bucket[/prefix]` (S3-compatible object storage; every process of a cluster must use
+    /// the same). For S3: EXPORTD_S3_ENDPOINT (e.g. http://minio:9000; unset = AWS),
+    /// AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_REGION (default us-east-1).
+    #[arg(long, env = "EXPORTD_STORAGE", global = true)]
+    pub storage: Option<String>,
 
     /// Server keys `kid=secret[,kid=secret…]` that sign download links and feed cursors (the first
     /// signs, all verify). Give every process the same keys; keep old keys listed while cursors
@@ -29,4 +38,12 @@ pub struct Settings {
     /// more heartbeats (one every third of it). At least 1s.
     #[arg(long, env = "EXPORTD_LEASE_TTL", default_value = "30s", value_parser = humantime::parse_duration, global = true)]
     pub lease_ttl: std::time::Duration,
+}
+
+impl Settings {
+    /// Where export files are stored (see `storage`).
+    pub fn storage_location(&self) -> anyhow::Result<StorageLocation> {
+        StorageLocation::parse(self.storage.as_deref(), &self.data_dir, |name| std::env::var(name).ok())
+            .map_err(|e| anyhow::anyhow!("EXPORTD_STORAGE: {e}"))
+    }
 }

@@ -109,9 +109,11 @@ pub fn retry_delays() -> impl Iterator<Item = Duration> {
         .build()
 }
 
-/// [`is_transient`] for an error chain: true when any cause is a transient database error.
+/// Whether an error chain is worth retrying later: any cause is a transient database error or
+/// an unavailable object store ([`crate::storage::StoreError::is_transient`]).
 pub fn is_transient_chain(error: &anyhow::Error) -> bool {
-    error.chain().any(|cause| cause.downcast_ref::<sqlx::Error>().is_some_and(is_transient))
+    let store = crate::storage::find_store_error(error.as_ref()).is_some_and(|e| e.is_transient());
+    store || error.chain().any(|cause| cause.downcast_ref::<sqlx::Error>().is_some_and(is_transient))
 }
 
 #[cfg(test)]

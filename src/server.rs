@@ -36,14 +36,33 @@ const CLEAN_EVERY: Duration = Duration::from_secs(60);
 const DRAIN: Duration = Duration::from_secs(20);
 
 /// Loads tenants, prepares the database (create, migrate, sync catalogue) and returns both.
+/// A transient database error (a restart, a terminated connection) is retried for a while, so
+/// a process started during a database blip comes up instead of exiting.
 pub async fn prepare(settings: &Settings, max_connections: u32) -> anyhow::Result<(PgPool, Arc<Registry>)> {
     let registry = Registry::load(&settings.tenants_dir)?;
-    db::create_database_if_missing(&settings.database_url).await?;
-    let pool = db::connect(&settings.database_url, max_connections).await?;
-    db::migrate(&pool).await?;
-    db::sync_catalogue(&pool, &registry).await?;
-    Ok((pool, Arc::new(registry)))
+    let started = std::time::Instant::now();
+    let mut delays = db::retry_delays();
+    loop {
+        let attempt = async {
+            db::create_database_if_missing(&settings.database_url).await?;
+            let pool = db::connect(&settings.database_url, max_connections).await?;
+            db::migrate(&pool).await?;
+            db::sync_catalogue(&pool, &registry).await?;
+            Ok::<_, anyhow::Error>(pool)
+        };
+        match attempt.await {
+            Ok(pool) => return Ok((pool, Arc::new(registry))),
+            Err(e) if db::is_transient_chain(&e) && started.elapsed() < STARTUP_PATIENCE => {
+                tracing::warn!(error = format!("{e:#}"), "database not ready at start-up; trying again");
+                tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(1))).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
+
+/// How long start-up retries a transient database error.
+const STARTUP_PATIENCE: Duration = Duration::from_secs(10);
 
 /// Options of `exportd serve` beyond the shared settings.
 #[derive(Debug, Clone)]
@@ -63,7 +82,7 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     let (pool, registry) = prepare(settings, API_CONNECTIONS).await?;
     // Exports get a pool of their own: however busy the workers are, API requests keep theirs.
     let export_pool = db::connect(&settings.database_url, worker_connections(options.workers)).await?;
-    let deps = worker_deps(settings, export_pool.clone(), registry.clone())?;
+    let deps = worker_deps(settings, export_pool.clone(), registry.clone()).await?;
     let listener =
         tokio::net::TcpListener::bind(options.listen).await.with_context(|| format!("binding {}", options.listen))?;
     tracing::info!(address = %listener.local_addr()?, tenants = registry.tenants().count(), workers = options.workers, "exportd listening");
@@ -109,7 +128,7 @@ fn spawn_cleaner(
 /// `exportd worker`: workers only, sharing the jobs with every other process through PostgreSQL.
 pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> anyhow::Result<()> {
     let (pool, registry) = prepare(settings, worker_connections(workers)).await?;
-    let deps = worker_deps(settings, pool.clone(), registry)?;
+    let deps = worker_deps(settings, pool.clone(), registry).await?;
     if exit_when_idle {
         let handles: Vec<_> = (0..workers.max(1))
             .map(|n| {
@@ -137,9 +156,9 @@ pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> 
     Ok(())
 }
 
-fn worker_deps(settings: &Settings, pool: PgPool, registry: Arc<Registry>) -> anyhow::Result<WorkerDeps> {
-    let store = ArtifactStore::open(&settings.data_dir)
-        .with_context(|| format!("opening the artifact store in {}", settings.data_dir.display()))?;
+async fn worker_deps(settings: &Settings, pool: PgPool, registry: Arc<Registry>) -> anyhow::Result<WorkerDeps> {
+    let store = ArtifactStore::connect(&settings.storage_location()?, &pool).await?;
+    tracing::info!(store = store.describe(), "artifact store");
     let keys = Arc::new(server_keys(settings)?);
     let scan = Arc::new(ScanLimits::new(&registry));
     anyhow::ensure!(settings.lease_ttl >= Duration::from_secs(1), "EXPORTD_LEASE_TTL: must be at least 1s");

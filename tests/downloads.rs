@@ -63,7 +63,7 @@ async fn the_status_hands_out_fresh_links_and_the_whole_file_is_one_csv(pool: Pg
     assert_eq!(rows.len(), 231);
     assert_eq!(rows.iter().filter(|r| r[0] == "id").count(), 1);
     let mut from_shards = Vec::new();
-    for shard in app.shard_files(&id, app.data_dir.path()).await {
+    for shard in app.own_shard_files(&id).await {
         from_shards.extend(common::csv_rows(&shard).into_iter().skip(1));
     }
     assert_eq!(rows[1..], from_shards[..]);
@@ -248,57 +248,6 @@ async fn a_revoked_export_is_gone_and_its_files_deleted(pool: PgPool) {
 
 async fn delete_path(app: &TestApp, token: &str, id: &str) -> reqwest::Response {
     app.client.delete(app.url(&format!("/v1/exports/{id}"))).bearer_auth(token).send().await.unwrap()
-}
-
-#[sqlx::test(migrations = "./migrations")]
-async fn expiry_deletes_files_and_the_cleaner_sweeps_orphans_only(pool: PgPool) {
-    let app = TestApp::spawn(pool).await;
-    let (expiring, status, _) = published(&app, "alice").await;
-    let admin = app.token("acme", "alice");
-    let live = app.export(&admin, &json!({"dataset": "tickets", "format": "jsonl", "shard_rows": 100})).await;
-    app.drain().await;
-    let live_files = app.shard_files(&live, app.data_dir.path()).await;
-
-    // Debris: an orphan export directory and a stale file of an older attempt of a live export.
-    let orphan = app.data_dir.path().join(format!("objects/acme/{}/g1", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&orphan).unwrap();
-    std::fs::write(orphan.join("shard-00000.csv.gz"), vec![7u8; 4096]).unwrap();
-    let stale = app.data_dir.path().join(format!("objects/acme/{live}/g0"));
-    std::fs::create_dir_all(&stale).unwrap();
-    std::fs::write(stale.join("shard-00000.jsonl.gz"), vec![7u8; 1000]).unwrap();
-
-    let store = exportd::storage::ArtifactStore::open(app.data_dir.path()).unwrap();
-    let report = exportd::cleaner::run_once(&app.pool, &store, &app.registry, app.clock.now()).await.unwrap();
-    assert!(report.ran);
-    assert_eq!(report.expired, 0);
-    assert_eq!(report.bytes("orphan"), 4096);
-    assert_eq!(report.bytes("unreferenced"), 1000);
-    assert!(!orphan.exists() && !stale.join("shard-00000.jsonl.gz").exists());
-    assert_eq!(app.shard_files(&live, app.data_dir.path()).await, live_files, "a live export is untouched");
-    assert_eq!(fetch(&app, status["links"]["file"].as_str().unwrap(), &[]).await.status(), 200);
-
-    // acme keeps artifacts 72 hours (fixture default): move the clock past that.
-    app.clock.advance(std::time::Duration::from_secs(73 * 3600));
-    let report = exportd::cleaner::run_once(&app.pool, &store, &app.registry, app.clock.now()).await.unwrap();
-    assert_eq!(report.expired, 2);
-    assert!(report.bytes("expired") > 0);
-    assert_eq!(app.state(&expiring).await, "EXPIRED");
-    assert!(!app.data_dir.path().join(format!("objects/acme/{expiring}")).exists());
-    let path = format!("/v1/exports/{expiring}/file");
-    let gone = app.get(Some(&admin), &path).await;
-    assert_eq!(gone.status(), 410);
-    let reclaimed: i64 = sqlx::query_scalar("SELECT sum(bytes)::bigint FROM storage_reclaims WHERE reason = 'expired'")
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    assert_eq!(reclaimed as u64, report.bytes("expired"));
-
-    // Two cleaners at once: one runs, the other steps aside.
-    let (a, b) = tokio::join!(
-        exportd::cleaner::run_once(&app.pool, &store, &app.registry, app.clock.now()),
-        exportd::cleaner::run_once(&app.pool, &store, &app.registry, app.clock.now())
-    );
-    assert!(a.is_ok() && b.is_ok());
 }
 
 #[sqlx::test(migrations = "./migrations")]

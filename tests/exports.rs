@@ -19,7 +19,7 @@ async fn upsert(conn: &mut sqlx::PgConnection, key: &str, subject: &str) {
 /// Key and subject of every data row of the export's CSV shards (headers checked and dropped).
 async fn exported(app: &TestApp, id: &str) -> Vec<(String, String)> {
     let mut rows = Vec::new();
-    for shard in app.shard_files(id, app.data_dir.path()).await {
+    for shard in app.own_shard_files(id).await {
         let mut records = csv_rows(&shard).into_iter();
         let header = records.next().unwrap();
         assert_eq!(header[0], "id");
@@ -76,7 +76,7 @@ async fn an_export_holds_exactly_what_was_committed_when_it_was_created(pool: Pg
     let third = app.export(&admin, &full_csv(2)).await;
     let fourth = app.export(&admin, &full_csv(2)).await;
     app.drain().await;
-    assert_eq!(app.shard_files(&third, app.data_dir.path()).await, app.shard_files(&fourth, app.data_dir.path()).await);
+    assert_eq!(app.own_shard_files(&third).await, app.own_shard_files(&fourth).await);
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -119,7 +119,7 @@ async fn status_and_manifest_describe_the_published_export(pool: PgPool) {
     assert_eq!(shards[0]["name"], "shard-00000.csv.gz");
     assert_eq!(shards[0]["first_key"], "tickets-000000000");
     assert_eq!(shards[2]["last_key"], "tickets-000000119");
-    let files = app.shard_files(&id, app.data_dir.path()).await;
+    let files = app.own_shard_files(&id).await;
     for (shard, file) in shards.iter().zip(&files) {
         assert_eq!(shard["sha256"], exportd::writers::sha256_hex(file));
         assert_eq!(shard["bytes"], file.len());
@@ -149,7 +149,7 @@ async fn csv_shards_parse_back_to_exactly_the_stored_values(pool: PgPool) {
             .await
             .unwrap();
     let mut parsed = Vec::new();
-    for shard in app.shard_files(&id, app.data_dir.path()).await {
+    for shard in app.own_shard_files(&id).await {
         let mut rows = csv_rows(&shard).into_iter();
         assert_eq!(rows.next().unwrap(), ["id", "subject", "amount", "priority", "escalated", "tags"]);
         parsed.extend(rows);
@@ -182,7 +182,7 @@ async fn jsonl_exports_apply_filters_and_the_partners_row_filter(pool: PgPool) {
     let id = app.export(&partner, &json!({"dataset": "tickets", "format": "jsonl", "columns": ["region", "status"], "filter": {"status": "open"}})).await;
     app.drain().await;
     let lines: Vec<Value> = app
-        .shard_files(&id, app.data_dir.path())
+        .own_shard_files(&id)
         .await
         .iter()
         .flat_map(|s| {
@@ -202,90 +202,6 @@ async fn jsonl_exports_apply_filters_and_the_partners_row_filter(pool: PgPool) {
         assert_eq!(line["status"], "open");
         assert_eq!(line.as_object().unwrap().keys().collect::<Vec<_>>(), ["id", "region", "status"]);
     }
-}
-
-#[sqlx::test(migrations = "./migrations")]
-async fn a_crashed_export_resumes_to_the_same_bytes_without_rewriting_verified_shards(pool: PgPool) {
-    let app = TestApp::spawn(pool).await;
-    app.seed("acme", "tickets", 230).await;
-    let id = app.export(&app.token("acme", "alice"), &full_csv(50)).await;
-
-    crash_after(&app, 2).await;
-    let deps = app.deps();
-    let first_file = app.data_dir.path().join(format!("objects/acme/{id}/g1/shard-00000.csv.gz"));
-    let inode_before = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&first_file).unwrap());
-
-    assert!(ClaimedExport::claim(&deps, "too-early").await.unwrap().is_none(), "the lease still holds");
-    expire_lease(&app.pool, &id).await;
-    let mut resumed = ClaimedExport::claim(&deps, "rescuer").await.unwrap().unwrap();
-    assert_eq!(resumed.lease().generation, 2);
-    let mut steps = Vec::new();
-    loop {
-        let step = resumed.step().await.unwrap();
-        let done = step.is_final();
-        steps.push(step);
-        if done {
-            break;
-        }
-    }
-    assert_eq!(
-        steps,
-        vec![
-            Step::ShardVerified { index: 0 },
-            Step::ShardVerified { index: 1 },
-            Step::ShardWritten { index: 2, rows: 50, last: false },
-            Step::ShardWritten { index: 3, rows: 50, last: false },
-            Step::ShardWritten { index: 4, rows: 30, last: true },
-            Step::Published,
-        ]
-    );
-    let inode_after = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&first_file).unwrap());
-    assert_eq!(inode_before, inode_after, "a verified shard is not rewritten");
-    let resumed_manifest: Vec<u8> = sqlx::query_scalar("SELECT manifest FROM export_jobs WHERE id = $1::uuid")
-        .bind(&id)
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    let resumed_files = app.shard_files(&id, app.data_dir.path()).await;
-
-    // The same job, run again without interruption into a second store.
-    sqlx::query("UPDATE export_jobs SET state = 'QUEUED', manifest = NULL, manifest_sha256 = NULL, lease_expires_at = NULL WHERE id = $1::uuid").bind(&id).execute(&app.pool).await.unwrap();
-    sqlx::query("DELETE FROM export_shards WHERE export_id = $1::uuid").bind(&id).execute(&app.pool).await.unwrap();
-    let second_store = tempfile::tempdir().unwrap();
-    let clean = app.deps_with(app.registry.clone(), second_store.path());
-    assert_eq!(exportd::jobs::drain(&clean, "clean").await.unwrap(), vec![Step::Published]);
-    let clean_manifest: Vec<u8> = sqlx::query_scalar("SELECT manifest FROM export_jobs WHERE id = $1::uuid")
-        .bind(&id)
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    assert_eq!(String::from_utf8(resumed_manifest).unwrap(), String::from_utf8(clean_manifest).unwrap());
-    assert_eq!(resumed_files, app.shard_files(&id, second_store.path()).await);
-}
-
-#[sqlx::test(migrations = "./migrations")]
-async fn truncated_or_extended_shard_files_are_rewritten_on_rerun(pool: PgPool) {
-    let app = TestApp::spawn(pool).await;
-    app.seed("acme", "tickets", 130).await;
-    let id = app.export(&app.token("acme", "alice"), &full_csv(50)).await;
-    crash_after(&app, 2).await;
-    let deps = app.deps();
-    let original = app.shard_files(&id, app.data_dir.path()).await;
-    let dir = app.data_dir.path().join(format!("objects/acme/{id}/g1"));
-    std::fs::write(dir.join("shard-00000.csv.gz"), &original[0][..original[0].len() / 2]).unwrap();
-    let mut extended = original[1].clone();
-    extended.extend_from_slice(b"garbage");
-    std::fs::write(dir.join("shard-00001.csv.gz"), extended).unwrap();
-
-    expire_lease(&app.pool, &id).await;
-    let mut resumed = ClaimedExport::claim(&deps, "rescuer").await.unwrap().unwrap();
-    assert_eq!(resumed.step().await.unwrap(), Step::ShardRewritten { index: 0 });
-    assert_eq!(resumed.step().await.unwrap(), Step::ShardRewritten { index: 1 });
-    assert_eq!(resumed.step().await.unwrap(), Step::ShardWritten { index: 2, rows: 30, last: true });
-    assert_eq!(resumed.step().await.unwrap(), Step::Published);
-    let rewritten = app.shard_files(&id, app.data_dir.path()).await;
-    assert_eq!(rewritten[..2], original[..]);
-    assert!(!dir.exists() || std::fs::read_dir(&dir).unwrap().count() == 0, "the corrupt files were removed");
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -568,7 +484,7 @@ async fn a_revoked_grant_fails_the_export_without_publishing(pool: PgPool) {
     let id = app.export(&app.token("acme", "zenpartner"), &full_csv(50)).await;
     let revoked =
         common::edited_registry("acme", |t| t.replace("grants = [\"tickets\"]\nrow_filter", "grants = []\nrow_filter"));
-    let deps = app.deps_with(revoked, app.data_dir.path());
+    let deps = app.deps_with(revoked, app.store.clone());
     assert_eq!(
         exportd::jobs::drain(&deps, "w").await.unwrap(),
         vec![Step::Failed { code: "permission-revoked".into() }]
@@ -595,7 +511,7 @@ async fn an_empty_dataset_exports_one_header_only_shard(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
     let id = app.export(&app.token("acme", "alice"), &json!({"dataset": "contacts", "format": "csv"})).await;
     assert_eq!(app.drain().await, vec![Step::Published]);
-    let shards = app.shard_files(&id, app.data_dir.path()).await;
+    let shards = app.own_shard_files(&id).await;
     assert_eq!(shards.len(), 1);
     assert_eq!(
         csv_rows(&shards[0]),

@@ -198,7 +198,7 @@ async fn a_full_export_and_its_feed_together_are_every_change_exactly_once(pool:
 
     let manifest: Value = app.get(Some(&token), &format!("/v1/exports/{id}/manifest")).await.json().await.unwrap();
     let mut state = BTreeMap::new();
-    for shard in app.shard_files(&id, app.data_dir.path()).await {
+    for shard in app.own_shard_files(&id).await {
         for line in String::from_utf8(common::gunzip(&shard)).unwrap().lines() {
             let mut row: serde_json::Map<String, Value> = serde_json::from_str(line).unwrap();
             let key = row.remove("id").unwrap().as_str().unwrap().to_owned();
@@ -326,7 +326,7 @@ async fn cursors_are_bound_tamper_evident_replayable_and_expire(pool: PgPool) {
 /// The data rows of an incremental JSONL export: (op, key, subject).
 async fn incremental_rows(app: &TestApp, id: &str) -> Vec<(String, String, Value)> {
     let mut rows = Vec::new();
-    for shard in app.shard_files(id, app.data_dir.path()).await {
+    for shard in app.own_shard_files(id).await {
         for line in String::from_utf8(common::gunzip(&shard)).unwrap().lines() {
             let row: Value = serde_json::from_str(line).unwrap();
             rows.push((
@@ -439,12 +439,12 @@ async fn old_history_is_collected_except_what_a_live_export_still_reads(pool: Pg
     assert_eq!(versions(&app.pool).await, 6);
 
     app.clock.advance(std::time::Duration::from_secs(31 * 86_400));
-    let store = exportd::storage::ArtifactStore::open(app.data_dir.path()).unwrap();
+    let store = app.store.clone();
     let gc = || exportd::cleaner::run_once(&app.pool, &store, &app.registry, app.clock.now());
     // The queued export, sealed before every change above, still reads all the old versions.
     assert_eq!(gc().await.unwrap().versions_collected, 0);
     assert_eq!(app.drain().await, vec![Step::Published]);
-    let shard = &app.shard_files(&queued, app.data_dir.path()).await[0];
+    let shard = &app.own_shard_files(&queued).await[0];
     let text = String::from_utf8(common::gunzip(shard)).unwrap();
     assert!(text.contains("as exported") && !text.contains("changed later"), "{text}");
 

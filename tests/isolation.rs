@@ -364,7 +364,7 @@ async fn pages_of_big_records_are_bounded_by_bytes_not_rows(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!(rows, 30);
-    let csv = common::csv_rows(&app.shard_files(&id, app.data_dir.path()).await[0]);
+    let csv = common::csv_rows(&app.own_shard_files(&id).await[0]);
     assert_eq!(csv.len(), 31);
     assert!(csv[1..].iter().all(|r| r.iter().any(|cell| cell.len() == 900_000)));
 }

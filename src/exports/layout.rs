@@ -1,13 +1,13 @@
 //! Where the bytes of a shard, or of the whole export, are: the checkpointed shards and the
 //! byte ranges of their files that make up each downloadable object.
 
-use std::io::{Read, Seek, SeekFrom};
-
+use bytes::Bytes;
+use futures_util::stream::{BoxStream, StreamExt, TryStreamExt};
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::storage::{ArtifactStore, ObjectKey};
+use crate::storage::{ArtifactStore, ObjectKey, StoreResult};
 use crate::writers::gzip::{FINAL_BLOCK, GZIP_HEADER, Part, trailer};
 
 /// A shard file as checkpointed by the worker that wrote it.
@@ -160,29 +160,31 @@ impl Layout {
         out
     }
 
-    /// sha256 of the laid-out bytes, read from the store (blocking).
-    pub fn sha256(&self, store: &ArtifactStore) -> std::io::Result<String> {
+    /// sha256 of the laid-out bytes, read from the store.
+    pub async fn sha256(&self, store: &ArtifactStore) -> StoreResult<String> {
         let mut hasher = Sha256::new();
-        let mut buf = vec![0u8; 256 * 1024];
-        for segment in &self.segments {
-            match segment {
-                Segment::Inline(bytes) => hasher.update(bytes),
-                Segment::Object { key, offset, len } => {
-                    let mut file = store.open_object(key)?;
-                    file.seek(SeekFrom::Start(*offset))?;
-                    let mut reader = file.take(*len);
-                    loop {
-                        let n = reader.read(&mut buf)?;
-                        if n == 0 {
-                            break;
-                        }
-                        hasher.update(&buf[..n]);
-                    }
-                }
-            }
+        let mut bytes = read(store.clone(), self.segments.clone());
+        while let Some(chunk) = bytes.next().await {
+            hasher.update(&chunk?);
         }
         Ok(hex::encode(hasher.finalize()))
     }
+}
+
+/// The bytes of `segments`, in order. Each object range is opened when the stream reaches it.
+pub fn read(store: ArtifactStore, segments: Vec<Segment>) -> BoxStream<'static, StoreResult<Bytes>> {
+    futures_util::stream::iter(segments)
+        .then(move |segment| {
+            let store = store.clone();
+            async move {
+                match segment {
+                    Segment::Inline(bytes) => Ok(futures_util::stream::once(async { Ok(Bytes::from(bytes)) }).boxed()),
+                    Segment::Object { key, offset, len } => store.read(&key, offset, len).await,
+                }
+            }
+        })
+        .try_flatten()
+        .boxed()
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 pub mod audit;
 pub mod download;
 mod incremental;
-mod layout;
+pub mod layout;
 mod manifest;
 mod request;
 mod state;
@@ -387,7 +387,7 @@ pub async fn revoke(
         };
     };
     // Failing here leaves the files to the cleaner, which deletes the files of every REVOKED job.
-    if let Err(e) = crate::cleaner::delete_export_files(pool, store, &job.tenant, job.id, "revoked").await {
+    if let Err(e) = crate::storage::lifecycle::delete_export_files(pool, store, &job.tenant, job.id, "revoked").await {
         tracing::error!(export = %job.id, error = format!("{e:#}"), "revoked, but deleting files failed; the cleaner will retry");
     }
     Ok(Revoke::Revoked(job))

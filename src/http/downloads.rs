@@ -3,7 +3,7 @@
 
 use std::net::SocketAddr;
 
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::{ConnectInfo, State};
 use axum::http::header::{
     ACCEPT_RANGES, AUTHORIZATION, CONTENT_DISPOSITION, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, ETAG, IF_RANGE,
@@ -11,8 +11,8 @@ use axum::http::header::{
 };
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
+use futures_util::{StreamExt, TryStreamExt};
 use serde::Deserialize;
-use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use tokio::sync::OwnedSemaphorePermit;
 use utoipa::IntoParams;
 use utoipa_axum::{router::OpenApiRouter, routes};
@@ -24,14 +24,12 @@ use super::extract::{Path, Query, admit, caller_from_headers};
 use super::range::{RangeAnswer, decide};
 use super::state::AppState;
 use crate::auth::Caller;
-use crate::exports::Segment;
 use crate::exports::audit::{self, AuditEvent};
 use crate::exports::download::{self, Download, Object};
+use crate::exports::layout;
 use crate::links::LinkError;
 use crate::quota;
-use crate::storage::ArtifactStore;
-
-const READ_CHUNK: usize = 64 * 1024;
+use crate::storage::{ArtifactStore, StoreError};
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new().routes(routes!(download_file)).routes(routes!(download_shard))
@@ -142,19 +140,25 @@ async fn serve(
         bytes: Some(bytes),
     };
     if method == Method::HEAD {
-        return respond(&state.store, &download, answer, len, None);
+        return respond(&download, answer, len, Body::empty());
     }
     let Some(slot) = state.limits.download_slot(&caller.tenant.id) else {
         metrics::counter!("exportd_quota_rejections_total", "kind" => "downloads").increment(1);
         let detail = "the tenant's max_concurrent_downloads are streaming; retry when one has finished";
         return ApiError::busy("too-many-downloads", detail).into_response();
     };
+    // The first bytes are read before anything is charged or answered, so a store that is down
+    // gives a clean 503 rather than a cut-off body.
+    let body = match body(&state.store, &download, answer, slot).await {
+        Ok(body) => body,
+        Err(e) => return ApiError::from(e).into_response(),
+    };
     // The download is admitted, and its bytes recorded, within today's egress quota.
     match quota::admit_download(&state.pool, &caller.tenant, event(status, bytes), state.clock.now()).await {
         Ok(Ok(())) => {
             metrics::counter!("exportd_downloads_total", "status" => status.as_str().to_owned()).increment(1);
             metrics::counter!("exportd_egress_bytes_total", "tenant" => caller.tenant.id.to_string()).increment(bytes);
-            respond(&state.store, &download, answer, len, Some(slot))
+            respond(&download, answer, len, body)
         }
         Ok(Err(wait)) => {
             metrics::counter!("exportd_downloads_total", "status" => "429").increment(1);
@@ -192,15 +196,34 @@ fn caller_from_link(state: &AppState, token: &str, id: &str, object: Object) -> 
     Ok(Caller { tenant: tenant.clone(), principal: principal.clone() })
 }
 
-/// The response for `answer`; `slot` (the tenant's concurrent-download permit) is held until the
-/// body has been sent or the client left.
-fn respond(
+/// The bytes of `answer`, its first chunk already read; `slot` (the tenant's concurrent-download
+/// permit) is held until the body has been sent or the client left.
+async fn body(
     store: &ArtifactStore,
     download: &Download,
     answer: RangeAnswer,
-    len: u64,
-    slot: Option<OwnedSemaphorePermit>,
-) -> Response {
+    slot: OwnedSemaphorePermit,
+) -> Result<Body, StoreError> {
+    let (start, end) = match answer {
+        RangeAnswer::Unsatisfiable => return Ok(Body::empty()),
+        _ if download.layout.is_empty() => return Ok(Body::empty()),
+        RangeAnswer::Full => (0, download.layout.len() - 1),
+        RangeAnswer::Partial { start, end } => (start, end),
+    };
+    let mut bytes = layout::read(store.clone(), download.layout.slice(start, end));
+    let first = bytes.try_next().await?;
+    let rest = bytes.map(move |chunk| {
+        let _slot = &slot;
+        chunk.map_err(|e| {
+            tracing::error!(error = %e, "a download stopped: the store failed mid-body");
+            std::io::Error::other(e)
+        })
+    });
+    Ok(Body::from_stream(futures_util::stream::iter(first.map(Ok)).chain(rest)))
+}
+
+/// The response for `answer` with `body`.
+fn respond(download: &Download, answer: RangeAnswer, len: u64, body: Body) -> Response {
     let etag = HeaderValue::from_str(&download.etag).expect("hex");
     let (status, start, end) = match answer {
         RangeAnswer::Unsatisfiable => {
@@ -220,9 +243,8 @@ fn respond(
         RangeAnswer::Partial { start, end } => (StatusCode::PARTIAL_CONTENT, start, end),
     };
     let body_len = if len == 0 { 0 } else { end - start + 1 };
-    let segments = if len == 0 { Vec::new() } else { download.layout.slice(start, end) };
     let disposition = format!("attachment; filename=\"{}\"", download.filename);
-    let mut response = (status, stream(store.clone(), segments, slot)).into_response();
+    let mut response = (status, body).into_response();
     let headers = response.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/gzip"));
     headers.insert(CONTENT_LENGTH, HeaderValue::from(body_len));
@@ -233,62 +255,4 @@ fn respond(
         headers.insert(CONTENT_RANGE, HeaderValue::from_str(&format!("bytes {start}-{end}/{len}")).expect("ascii"));
     }
     response
-}
-
-/// A body that reads the segments in order. A task reads ahead at most a few chunks; when the
-/// client goes away the channel closes and the task stops.
-fn stream(store: ArtifactStore, segments: Vec<Segment>, slot: Option<OwnedSemaphorePermit>) -> Body {
-    let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(4);
-    tokio::spawn(async move {
-        let _slot = slot;
-        for segment in segments {
-            let sent = match segment {
-                Segment::Inline(bytes) => tx.send(Ok(Bytes::from(bytes))).await.is_ok(),
-                Segment::Object { key, offset, len } => send_range(&tx, &store, &key, offset, len).await,
-            };
-            if !sent {
-                return;
-            }
-        }
-    });
-    Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) }))
-}
-
-async fn send_range(
-    tx: &tokio::sync::mpsc::Sender<std::io::Result<Bytes>>,
-    store: &ArtifactStore,
-    key: &crate::storage::ObjectKey,
-    offset: u64,
-    len: u64,
-) -> bool {
-    let opened = async {
-        let mut file = tokio::fs::File::open(store.path(key)).await?;
-        file.seek(std::io::SeekFrom::Start(offset)).await?;
-        Ok::<_, std::io::Error>(file.take(len))
-    }
-    .await;
-    let mut reader = match opened {
-        Ok(reader) => reader,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot open an object for download");
-            let _ = tx.send(Err(e)).await;
-            return false;
-        }
-    };
-    loop {
-        let mut buf = vec![0u8; READ_CHUNK];
-        match reader.read(&mut buf).await {
-            Ok(0) => return true,
-            Ok(n) => {
-                buf.truncate(n);
-                if tx.send(Ok(Bytes::from(buf))).await.is_err() {
-                    return false;
-                }
-            }
-            Err(e) => {
-                let _ = tx.send(Err(e)).await;
-                return false;
-            }
-        }
-    }
 }

@@ -71,8 +71,9 @@ impl ApiError {
         e
     }
 
-    /// 503 with `Retry-After`: the database is briefly unreachable, or the request lost a race
-    /// (deadlock, serialization) it could not win by retrying inside. Nothing was changed.
+    /// 503 with `Retry-After`: the database or the object store is briefly unreachable, or the
+    /// request lost a race (deadlock, serialization) it could not win by retrying inside.
+    /// Nothing was changed.
     pub fn unavailable(source: impl Into<anyhow::Error>) -> Self {
         let mut e = ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -101,7 +102,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         match &self.source {
             Some(source) if self.status == StatusCode::SERVICE_UNAVAILABLE => {
-                tracing::warn!(error = format!("{source:#}"), "request refused: transient database error");
+                tracing::warn!(error = format!("{source:#}"), "request refused: transient database or storage error");
             }
             Some(source) => tracing::error!(error = format!("{source:#}"), "request failed"),
             None => {}
@@ -130,6 +131,12 @@ impl IntoResponse for ApiError {
 impl From<sqlx::Error> for ApiError {
     fn from(e: sqlx::Error) -> Self {
         if crate::db::is_transient(&e) { ApiError::unavailable(e) } else { ApiError::internal(e) }
+    }
+}
+
+impl From<crate::storage::StoreError> for ApiError {
+    fn from(e: crate::storage::StoreError) -> Self {
+        if e.is_transient() { ApiError::unavailable(e) } else { ApiError::internal(e) }
     }
 }
 

@@ -90,9 +90,11 @@ pub async fn claim(
              lease_expires_at = now() + $2 * interval '1 millisecond',
              attempts = j.attempts + CASE WHEN j.yielded THEN 0 ELSE 1 END,
              stalled_attempts = CASE WHEN j.yielded OR j.shards_done > j.shards_at_claim THEN 1
+                                     WHEN j.interrupted THEN j.stalled_attempts
                                      ELSE j.stalled_attempts + 1 END,
              shards_at_claim = j.shards_done,
              yielded = false,
+             interrupted = false,
              started_at = coalesce(j.started_at, now())
          FROM candidate
          WHERE j.id = candidate.id
@@ -309,14 +311,16 @@ pub async fn release(pool: &PgPool, lease: Lease) -> sqlx::Result<()> {
 }
 
 /// Gives the job back after an error: claimable at once, and (unlike [`release`]) the next
-/// claim verifies the checkpoints and counts an attempt.
-pub async fn give_back(pool: &PgPool, lease: Lease) -> sqlx::Result<()> {
+/// claim verifies the checkpoints and counts an attempt. A run `interrupted` by an outage
+/// (database or object store) does not count towards attempts-exhausted.
+pub async fn give_back(pool: &PgPool, lease: Lease, interrupted: bool) -> sqlx::Result<()> {
     sqlx::query(
-        "UPDATE export_jobs SET lease_owner = NULL, lease_expires_at = NULL
+        "UPDATE export_jobs SET lease_owner = NULL, lease_expires_at = NULL, interrupted = $3
          WHERE id = $1 AND lease_generation = $2 AND state IN ('RUNNING', 'CANCEL_REQUESTED')",
     )
     .bind(lease.job_id)
     .bind(lease.generation)
+    .bind(interrupted)
     .execute(pool)
     .await?;
     Ok(())

@@ -93,7 +93,7 @@ pub async fn run_next_job(
             Err(e) => {
                 // Whatever stopped this run, another attempt may start now rather than after the
                 // lease expires; if even that fails, expiry is the fallback.
-                if let Err(give_back) = run.give_back().await {
+                if let Err(give_back) = run.give_back(crate::db::is_transient_chain(&e)).await {
                     tracing::warn!(
                         error = format!("{give_back:#}"),
                         "could not give the export back; its lease will expire"
@@ -189,7 +189,7 @@ pub async fn run_worker(deps: WorkerDeps, worker_id: String, mut shutdown: watch
             }
             Ok(Outcome::Idle) => true,
             Err(e) if crate::db::is_transient_chain(&e) => {
-                tracing::warn!(worker = %worker_id, error = format!("{e:#}"), "database unavailable; trying again");
+                tracing::warn!(worker = %worker_id, error = format!("{e:#}"), "database or object store unavailable; trying again");
                 true
             }
             Err(e) => {

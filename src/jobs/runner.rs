@@ -177,8 +177,8 @@ impl ClaimedExport {
         }
     }
 
-    /// [`step`](Self::step), retrying a transient database error (connection lost, failover,
-    /// deadlock victim) in place with backoff while the lease is safely ours. Every step may be
+    /// [`step`](Self::step), retrying a transient error (database connection lost, failover,
+    /// deadlock victim; object store unreachable) in place with backoff while the lease is safely ours. Every step may be
     /// repeated: its writes are fenced, idempotent checkpoints, and a shard is rewritten whole.
     pub async fn step_with_retries(&mut self) -> anyhow::Result<Step> {
         let mut delays = crate::db::retry_delays();
@@ -197,7 +197,7 @@ impl ClaimedExport {
                         return Err(e);
                     }
                     metrics::counter!("exportd_transient_retries_total", "where" => "worker").increment(1);
-                    tracing::warn!(export = %self.job.id, error = format!("{e:#}"), retry_in_ms = delay.as_millis() as u64, "transient database error; retrying the step");
+                    tracing::warn!(export = %self.job.id, error = format!("{e:#}"), retry_in_ms = delay.as_millis() as u64, "transient database or storage error; retrying the step");
                     tokio::time::sleep(delay).await;
                 }
                 other => return other,
@@ -213,10 +213,10 @@ impl ClaimedExport {
     }
 
     /// Gives the job back after a run that cannot go on (an error that outlived its retries):
-    /// claimable at once instead of after the lease expires; the next claim counts an attempt and
-    /// verifies the checkpoints again.
-    pub async fn give_back(self) -> anyhow::Result<()> {
-        fenced::give_back(&self.deps.pool, self.lease).await?;
+    /// claimable at once instead of after the lease expires; the next claim verifies the
+    /// checkpoints again and counts an attempt, unless the run was `interrupted` by an outage.
+    pub async fn give_back(self, interrupted: bool) -> anyhow::Result<()> {
+        fenced::give_back(&self.deps.pool, self.lease, interrupted).await?;
         tracing::info!(export = %self.job.id, "gave the export back after an error");
         Ok(())
     }
@@ -274,8 +274,7 @@ impl ClaimedExport {
     async fn verify_shard(&mut self, index: usize) -> anyhow::Result<Step> {
         let checkpoint = self.to_verify[index].clone();
         let key = ObjectKey::parse(&checkpoint.object_key).map_err(anyhow::Error::msg)?;
-        let store = self.deps.store.clone();
-        let found = tokio::task::spawn_blocking(move || store.digest(&key)).await??;
+        let found = self.deps.store.digest(&key).await?;
         if found == Some((checkpoint.bytes as u64, checkpoint.sha256.clone())) {
             self.verified += 1;
             return Ok(Step::ShardVerified { index: index as u32 });
@@ -298,17 +297,17 @@ impl ClaimedExport {
             && written.first_key == checkpoint.first_key
             && written.last_key == checkpoint.last_key;
         if !same {
-            self.deps.store.delete(&written.object_key)?;
+            self.deps.store.delete(&written.object_key).await?;
             let detail = format!("shard {index} came out different on rerun");
             return self.fail("non-deterministic-output", &detail).await;
         }
         let rewritten = ShardRecord { object_key: written.object_key.as_str().to_owned(), ..checkpoint.clone() };
         if let Err(refused) = self.record(&rewritten).await? {
-            self.deps.store.delete(&written.object_key)?;
+            self.deps.store.delete(&written.object_key).await?;
             return self.refused(refused).await;
         }
         if checkpoint.object_key != rewritten.object_key {
-            self.deps.store.delete(&ObjectKey::parse(&checkpoint.object_key).map_err(anyhow::Error::msg)?)?;
+            self.deps.store.delete(&ObjectKey::parse(&checkpoint.object_key).map_err(anyhow::Error::msg)?).await?;
         }
         if self.last.as_ref().is_some_and(|l| l.shard_index == rewritten.shard_index) {
             self.last = Some(rewritten.clone());
@@ -364,7 +363,7 @@ impl ClaimedExport {
             body_raw_bytes: digest.body.raw_len as i64,
         };
         if let Err(refused) = self.record(&checkpoint).await? {
-            self.deps.store.delete(&written.object_key)?;
+            self.deps.store.delete(&written.object_key).await?;
             return self.refused(refused).await;
         }
         let rows = checkpoint.rows as u64;
@@ -383,9 +382,7 @@ impl ClaimedExport {
         }
         let checkpoints = exports::shards(&self.deps.pool, self.job.id).await?;
         let layout = Layout::whole_file(&checkpoints);
-        let store = self.deps.store.clone();
-        let file_layout = layout.clone();
-        let file_sha256 = tokio::task::spawn_blocking(move || file_layout.sha256(&store)).await??;
+        let file_sha256 = layout.sha256(&self.deps.store).await?;
         let next_cursor = self.plan.next_cursor(&self.deps, &self.job).await?;
         let manifest = self.manifest(
             &checkpoints,
@@ -526,9 +523,15 @@ impl ClaimedExport {
 
     /// Only after the job's terminal state is committed under our lease: no newer attempt exists.
     async fn delete_files(&self, reason: &str) -> anyhow::Result<()> {
-        crate::cleaner::delete_export_files(&self.deps.pool, &self.deps.store, &self.job.tenant, self.job.id, reason)
-            .await
-            .context("deleting export files")?;
+        crate::storage::lifecycle::delete_export_files(
+            &self.deps.pool,
+            &self.deps.store,
+            &self.job.tenant,
+            self.job.id,
+            reason,
+        )
+        .await
+        .context("deleting export files")?;
         Ok(())
     }
 }

@@ -1,9 +1,7 @@
 //! Writing one shard: keyset pages stream from PostgreSQL into an encoder on a blocking thread
-//! (CSV/JSONL → gzip → sha256 → temp file), then the file is fsynced and renamed into place.
-//! At most two pages are in flight, so memory does not grow with the export.
-
-use std::io::{self, BufWriter};
-use std::path::PathBuf;
+//! (CSV/JSONL → gzip → sha256 → the store's object writer), and the object is made visible only
+//! once the shard is complete. At most two pages are in flight, so memory does not grow with the
+//! export.
 
 use anyhow::Context;
 use tokio::sync::mpsc;
@@ -11,12 +9,11 @@ use tokio::sync::mpsc;
 use super::source::Source;
 use crate::quota::ScanLimits;
 use crate::records::Record;
-use crate::storage::{ArtifactStore, ObjectKey};
+use crate::storage::{ArtifactStore, ObjectKey, ObjectWriter};
 use crate::writers::{Format, OutputColumn, ShardDigest, ShardWriter};
 
 /// Pages buffered between the reader and the encoder.
 const PAGES_IN_FLIGHT: usize = 2;
-const FILE_BUFFER_BYTES: usize = 256 * 1024;
 
 /// A shard file written and persisted under its object key.
 #[derive(Debug)]
@@ -81,11 +78,11 @@ where
         return Ok(Err(ShardStop::NoRows));
     }
 
-    let (pages, encoder) = spawn_encoder(job.store.clone(), job.format, job.columns.to_vec())?;
+    let (pages, encoder) = spawn_encoder(job.store.clone(), job.object_key.clone(), job.format, job.columns.to_vec());
     let mut rows = 0u64;
     let mut first_key = None;
     let mut last_key: Option<String> = job.after.clone();
-    // Errors are held until the encoder has finished, so its temp file never outlives the shard.
+    // Errors are held until the encoder has finished, so its unfinished object never outlives the shard.
     let stop: anyhow::Result<Option<ShardStop>> = async {
         loop {
             rows += page.rows.len() as u64;
@@ -110,22 +107,20 @@ where
     }
     .await;
     drop(pages);
-    let (temp, file, digest) = encoder.await.context("shard encoder panicked")?.context("encoding shard")?;
+    let (writer, digest) = encoder.await.context("shard encoder panicked")?.context("encoding shard")?;
     let unfinished = match stop {
         Ok(None) => None,
         Ok(Some(stop)) => Some(Ok(Err(stop))),
         Err(e) => Some(Err(e)),
     };
     if let Some(outcome) = unfinished {
-        let _ = std::fs::remove_file(&temp);
+        tokio::task::spawn_blocking(move || drop(writer)).await.context("discarding task panicked")?;
         return outcome;
     }
-    let store = job.store.clone();
-    let key = job.object_key.clone();
-    tokio::task::spawn_blocking(move || store.persist(&temp, file, &key).map(|()| temp))
+    tokio::task::spawn_blocking(move || writer.finish())
         .await
-        .context("persist task panicked")?
-        .context("persisting shard file")?;
+        .context("finishing task panicked")?
+        .context("storing the shard")?;
     Ok(Ok(WrittenShard { first_key, last_key, digest, object_key: job.object_key }))
 }
 
@@ -139,34 +134,24 @@ async fn pay(scan: &ScanLimits, tenant: &str, prepaid: u64, rows: u64) -> u64 {
     }
 }
 
-type Encoded = io::Result<(PathBuf, std::fs::File, ShardDigest)>;
+type Encoded = anyhow::Result<(ObjectWriter, ShardDigest)>;
 
 fn spawn_encoder(
     store: ArtifactStore,
+    key: ObjectKey,
     format: Format,
     columns: Vec<OutputColumn>,
-) -> anyhow::Result<(mpsc::Sender<Vec<Record>>, tokio::task::JoinHandle<Encoded>)> {
+) -> (mpsc::Sender<Vec<Record>>, tokio::task::JoinHandle<Encoded>) {
     let (tx, mut rx) = mpsc::channel::<Vec<Record>>(PAGES_IN_FLIGHT);
     let handle = tokio::task::spawn_blocking(move || -> Encoded {
-        let (path, file) = store.temp_file()?;
-        let result = (|| {
-            let mut writer = ShardWriter::new(BufWriter::with_capacity(FILE_BUFFER_BYTES, file), format, columns)?;
-            while let Some(page) = rx.blocking_recv() {
-                for record in &page {
-                    writer.write_row(&record.key, &record.data)?;
-                }
-            }
-            let (buffered, digest) = writer.finish()?;
-            let file = buffered.into_inner().map_err(|e| e.into_error())?;
-            Ok((file, digest))
-        })();
-        match result {
-            Ok((file, digest)) => Ok((path, file, digest)),
-            Err(e) => {
-                let _ = std::fs::remove_file(&path);
-                Err(e)
+        // On any error the object writer is dropped, which discards what it wrote.
+        let mut writer = ShardWriter::new(store.writer(&key)?, format, columns)?;
+        while let Some(page) = rx.blocking_recv() {
+            for record in &page {
+                writer.write_row(&record.key, &record.data)?;
             }
         }
+        Ok(writer.finish()?)
     });
-    Ok((tx, handle))
+    (tx, handle)
 }

@@ -1,17 +1,34 @@
-//! The artifact store: shard files in a local directory (`EXPORTD_DATA_DIR/objects`).
+//! The artifact store: where export shard files live, whichever backend holds them.
 //!
-//! Files are written to `tmp/`, fsynced and renamed into place, so an object either exists
-//! whole or not at all. Object keys are validated relative paths and can never leave the root.
+//! Two backends behind one type: a local directory (`EXPORTD_DATA_DIR/objects`, the default on
+//! one machine) and S3-compatible object storage (`EXPORTD_STORAGE=s3://bucket/prefix`, for
+//! API and workers on separate hosts). Nothing outside this module knows which one is in use:
+//! objects are written through [`ObjectWriter`] and read as byte ranges, and no path escapes.
+//! An object is visible only once complete (rename into place; completed multipart upload).
 
-use std::fs::{self, File};
-use std::io::{self, Read};
+mod error;
+pub mod lifecycle;
+mod local;
+mod s3;
+
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
-use sha2::{Digest, Sha256};
-use uuid::Uuid;
+use bytes::Bytes;
+use futures_util::stream::{BoxStream, StreamExt};
+use sqlx::PgPool;
+
+pub use error::{StoreError, StoreResult, find as find_store_error};
+pub use s3::S3Config;
+
+use local::{LocalDir, LocalWriter};
+use s3::{RemoteWriter, S3};
+
+/// Bytes read from a local file per chunk of a download or digest stream.
+const READ_CHUNK: usize = 256 * 1024;
 
 /// A relative object path of `[A-Za-z0-9._-]` segments (no `..`, no empty segment).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ObjectKey(String);
 
 impl ObjectKey {
@@ -29,192 +46,276 @@ impl ObjectKey {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The key's `/`-separated segments.
+    pub fn segments(&self) -> impl Iterator<Item = &str> {
+        self.0.split('/')
+    }
+}
+
+/// An object found by [`ArtifactStore::list`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredObject {
+    pub key: ObjectKey,
+    pub bytes: u64,
+}
+
+/// Where artifacts are stored, from `EXPORTD_STORAGE`.
+#[derive(Debug, Clone)]
+pub enum StorageLocation {
+    Local(PathBuf),
+    S3(S3Config),
+}
+
+impl StorageLocation {
+    /// `file://<dir>`, `s3://<bucket>[/<prefix>]`, or `None` (= the local `data_dir`). For S3,
+    /// `env` supplies `EXPORTD_S3_ENDPOINT` and the usual `AWS_ACCESS_KEY_ID`,
+    /// `AWS_SECRET_ACCESS_KEY` and `AWS_REGION`.
+    pub fn parse(
+        url: Option<&str>,
+        data_dir: &Path,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<StorageLocation, String> {
+        let Some(url) = url.filter(|u| !u.is_empty()) else { return Ok(StorageLocation::Local(data_dir.join(""))) };
+        if let Some(dir) = url.strip_prefix("file://") {
+            return if dir.is_empty() {
+                Err("file:// needs a directory, e.g. file:///var/lib/exportd".into())
+            } else {
+                Ok(StorageLocation::Local(PathBuf::from(dir)))
+            };
+        }
+        let Some(rest) = url.strip_prefix("s3://") else {
+            return Err(format!("`{url}` is neither file://<dir> nor s3://<bucket>[/<prefix>]"));
+        };
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        let prefix = prefix.trim_matches('/');
+        let valid_bucket = (3..=63).contains(&bucket.len())
+            && bucket.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.');
+        if !valid_bucket {
+            return Err(format!("`{bucket}` is not an S3 bucket name (3-63 of a-z 0-9 . -)"));
+        }
+        if !prefix.is_empty() {
+            ObjectKey::parse(prefix)
+                .map_err(|_| format!("the prefix `{prefix}` may only hold [A-Za-z0-9._-] and /"))?;
+        }
+        let endpoint = env("EXPORTD_S3_ENDPOINT").filter(|e| !e.is_empty());
+        if let Some(endpoint) = &endpoint
+            && !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
+        {
+            return Err(format!("EXPORTD_S3_ENDPOINT `{endpoint}` must start with http:// or https://"));
+        }
+        Ok(StorageLocation::S3(S3Config {
+            bucket: bucket.to_owned(),
+            prefix: prefix.to_owned(),
+            endpoint,
+            region: env("AWS_REGION").or_else(|| env("AWS_DEFAULT_REGION")).unwrap_or_else(|| "us-east-1".into()),
+            access_key_id: env("AWS_ACCESS_KEY_ID"),
+            secret_access_key: env("AWS_SECRET_ACCESS_KEY"),
+        }))
+    }
 }
 
 #[derive(Debug, Clone)]
+enum Backend {
+    Local(LocalDir),
+    S3(S3),
+}
+
+/// The artifact store. Cheap to clone.
+#[derive(Debug, Clone)]
 pub struct ArtifactStore {
-    objects: PathBuf,
-    tmp: PathBuf,
+    backend: Backend,
 }
 
 impl ArtifactStore {
-    /// Opens (creating) the store under `data_dir`.
-    pub fn open(data_dir: &Path) -> io::Result<ArtifactStore> {
-        let store = ArtifactStore { objects: data_dir.join("objects"), tmp: data_dir.join("tmp") };
-        fs::create_dir_all(&store.objects)?;
-        fs::create_dir_all(&store.tmp)?;
+    /// The local-directory store under `data_dir` (created if missing).
+    pub fn open_local(data_dir: &Path) -> std::io::Result<ArtifactStore> {
+        Ok(ArtifactStore { backend: Backend::Local(LocalDir::open(data_dir)?) })
+    }
+
+    /// The store at `location`. Object storage keeps its multipart uploads in progress in
+    /// `pool`'s database; a store it cannot reach is reported, not fatal (it may come back).
+    pub async fn connect(location: &StorageLocation, pool: &PgPool) -> anyhow::Result<ArtifactStore> {
+        let store = match location {
+            StorageLocation::Local(dir) => ArtifactStore::open_local(dir)
+                .map_err(|e| anyhow::anyhow!("opening the artifact store in {}: {e}", dir.display()))?,
+            StorageLocation::S3(config) => {
+                let s3 = S3::connect(config.clone(), pool.clone())
+                    .map_err(|e| anyhow::anyhow!("EXPORTD_STORAGE s3://{}: {e}", config.bucket))?;
+                if let Err(e) = s3.probe().await {
+                    tracing::warn!(store = s3.describe(), error = %e, "the object store does not answer yet");
+                }
+                ArtifactStore { backend: Backend::S3(s3) }
+            }
+        };
         Ok(store)
     }
 
-    /// A new temporary file to write an object into before [`ArtifactStore::persist`].
-    pub fn temp_file(&self) -> io::Result<(PathBuf, File)> {
-        let path = self.tmp.join(format!("{}.part", Uuid::new_v4()));
-        let file = File::create_new(&path)?;
-        Ok((path, file))
+    /// `file:///abs/dir` or `s3://bucket/prefix at endpoint`, for logs and `/healthz`.
+    pub fn describe(&self) -> String {
+        match &self.backend {
+            Backend::Local(dir) => dir.describe(),
+            Backend::S3(s3) => s3.describe(),
+        }
     }
 
-    /// Makes a finished temp file the object `key`: fsync, rename, fsync the directory.
-    pub fn persist(&self, temp: &Path, file: File, key: &ObjectKey) -> io::Result<()> {
-        file.sync_all()?;
-        drop(file);
-        let target = self.path(key);
-        let dir = target.parent().expect("object keys are relative paths under the root");
-        fs::create_dir_all(dir)?;
-        fs::rename(temp, &target)?;
-        File::open(dir)?.sync_all()
+    /// A writer for the object `key`, to be used on a blocking thread (it blocks on uploads).
+    /// The object appears only on [`ObjectWriter::finish`].
+    pub fn writer(&self, key: &ObjectKey) -> StoreResult<ObjectWriter> {
+        Ok(match &self.backend {
+            Backend::Local(dir) => ObjectWriter(WriterBackend::Local(dir.writer(key)?)),
+            Backend::S3(s3) => ObjectWriter(WriterBackend::Remote(Box::new(s3.writer(key)))),
+        })
     }
 
-    pub fn path(&self, key: &ObjectKey) -> PathBuf {
-        self.objects.join(&key.0)
+    /// `len` bytes of `key` from `offset`, streamed. Errors opening the object come here,
+    /// before any byte; errors later come in the stream.
+    pub async fn read(
+        &self,
+        key: &ObjectKey,
+        offset: u64,
+        len: u64,
+    ) -> StoreResult<BoxStream<'static, StoreResult<Bytes>>> {
+        match &self.backend {
+            Backend::Local(dir) => {
+                let (dir, key) = (dir.clone(), key.clone());
+                let reader = blocking(move || dir.open_range(&key, offset, len)).await?;
+                Ok(blocking_chunks(reader))
+            }
+            Backend::S3(s3) => s3.read(key, offset, len).await,
+        }
     }
 
-    pub fn open_object(&self, key: &ObjectKey) -> io::Result<File> {
-        File::open(self.path(key))
-    }
-
-    /// Size and sha256 of an object, or `None` when it does not exist.
-    pub fn digest(&self, key: &ObjectKey) -> io::Result<Option<(u64, String)>> {
-        file_digest(&self.path(key))
+    /// Size and sha256 of the stored bytes of `key`, or `None` when it does not exist.
+    pub async fn digest(&self, key: &ObjectKey) -> StoreResult<Option<(u64, String)>> {
+        match &self.backend {
+            Backend::Local(dir) => {
+                let (dir, key) = (dir.clone(), key.clone());
+                blocking(move || dir.digest(&key)).await
+            }
+            Backend::S3(s3) => s3.digest(key).await,
+        }
     }
 
     /// Deletes an object; a missing one is fine. Returns the bytes freed.
-    pub fn delete(&self, key: &ObjectKey) -> io::Result<u64> {
-        let path = self.path(key);
-        match fs::metadata(&path) {
-            Ok(meta) => {
-                fs::remove_file(&path)?;
-                Ok(meta.len())
+    pub async fn delete(&self, key: &ObjectKey) -> StoreResult<u64> {
+        match &self.backend {
+            Backend::Local(dir) => {
+                let (dir, key) = (dir.clone(), key.clone());
+                blocking(move || dir.delete(&key)).await
             }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(0),
-            Err(e) => Err(e),
+            Backend::S3(s3) => s3.delete(key).await,
         }
     }
 
-    /// Deletes every object under `prefix/` (e.g. one export's directory). Returns (files, bytes)
-    /// freed.
-    pub fn delete_prefix_counted(&self, prefix: &ObjectKey) -> io::Result<(u64, u64)> {
-        let dir = self.path(prefix);
-        let (files, bytes) = dir_size(&dir)?;
-        match fs::remove_dir_all(&dir) {
-            Ok(()) => Ok((files, bytes)),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok((0, 0)),
-            Err(e) => Err(e),
+    /// Every object under `prefix/` (all objects for `None`).
+    pub async fn list(&self, prefix: Option<&ObjectKey>) -> StoreResult<Vec<StoredObject>> {
+        match &self.backend {
+            Backend::Local(dir) => {
+                let (dir, prefix) = (dir.clone(), prefix.cloned());
+                blocking(move || dir.list(prefix.as_ref())).await
+            }
+            Backend::S3(s3) => s3.list(prefix).await,
         }
     }
 
-    /// Every `(tenant, export)` directory pair under the root.
-    pub fn list_export_dirs(&self) -> io::Result<Vec<(String, String)>> {
-        let mut out = Vec::new();
-        for tenant in read_dir_names(&self.objects)? {
-            for export in read_dir_names(&self.objects.join(&tenant))? {
-                out.push((tenant.clone(), export));
-            }
+    /// Deletes every object under `prefix/` (e.g. one export's). Returns (objects, bytes).
+    pub async fn delete_prefix(&self, prefix: &ObjectKey) -> StoreResult<(u64, u64)> {
+        let (mut objects, mut bytes) = (0, 0);
+        for object in self.list(Some(prefix)).await? {
+            bytes += self.delete(&object.key).await?;
+            objects += 1;
         }
-        Ok(out)
+        if let Backend::Local(dir) = &self.backend {
+            dir.prune(prefix);
+        }
+        Ok((objects, bytes))
     }
 
-    /// Deletes the files `<prefix>/<generation>/<name>` for which `doomed(key, generation)` holds.
-    /// Returns (files, bytes) freed.
-    pub fn delete_matching(&self, prefix: &str, doomed: impl Fn(&str, &str) -> bool) -> io::Result<(u64, u64)> {
-        let (mut files, mut bytes) = (0, 0);
-        let dir = self.objects.join(prefix);
-        for generation in read_dir_names(&dir)? {
-            for name in read_dir_names(&dir.join(&generation))? {
-                let key = format!("{prefix}/{generation}/{name}");
-                if doomed(&key, &generation) {
-                    let path = dir.join(&generation).join(&name);
-                    let len = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
-                    if remove_if_present(&path)? {
-                        files += 1;
-                        bytes += len;
-                    }
-                }
+    /// Cleans up after writers that died: temp files (local) or multipart uploads (S3) not
+    /// written to for `age`. Returns (items, bytes) reclaimed (bytes unknown for uploads: 0).
+    pub async fn sweep_abandoned(&self, age: Duration) -> StoreResult<(u64, u64)> {
+        match &self.backend {
+            Backend::Local(dir) => {
+                let dir = dir.clone();
+                blocking(move || dir.sweep_abandoned(age)).await
             }
+            Backend::S3(s3) => s3.sweep_abandoned(age).await,
         }
-        Ok((files, bytes))
-    }
-
-    /// Deletes temp files older than `age` (left by writers that crashed). Returns (files, bytes).
-    pub fn delete_temp_older_than(&self, age: std::time::Duration) -> io::Result<(u64, u64)> {
-        let (mut files, mut bytes) = (0, 0);
-        for name in read_dir_names(&self.tmp)? {
-            let path = self.tmp.join(name);
-            if crate::cleaner::older_than(&path, age) {
-                let len = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
-                if remove_if_present(&path)? {
-                    files += 1;
-                    bytes += len;
-                }
-            }
-        }
-        Ok((files, bytes))
     }
 }
 
-/// Size and lowercase hex sha256 of a file, or `None` when it does not exist (blocking).
-pub fn file_digest(path: &Path) -> io::Result<Option<(u64, String)>> {
-    let mut file = match File::open(path) {
-        Ok(file) => file,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 256 * 1024];
-    let mut bytes = 0u64;
-    loop {
-        let n = file.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        bytes += n as u64;
-    }
-    Ok(Some((bytes, hex::encode(hasher.finalize()))))
+/// An object being written (see [`ArtifactStore::writer`]). Dropping it without `finish`
+/// discards what was written; nothing becomes visible.
+pub struct ObjectWriter(WriterBackend);
+
+enum WriterBackend {
+    Local(LocalWriter),
+    Remote(Box<RemoteWriter>),
 }
 
-fn remove_if_present(path: &Path) -> io::Result<bool> {
-    match fs::remove_file(path) {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+impl ObjectWriter {
+    /// Makes the object visible, whole and durable. Blocking.
+    pub fn finish(self) -> StoreResult<()> {
+        match self.0 {
+            WriterBackend::Local(writer) => Ok(writer.finish()?),
+            WriterBackend::Remote(writer) => writer.finish(),
+        }
+    }
+}
+
+impl std::io::Write for ObjectWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match &mut self.0 {
+            WriterBackend::Local(writer) => writer.write(buf),
+            WriterBackend::Remote(writer) => writer.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match &mut self.0 {
+            WriterBackend::Local(writer) => writer.flush(),
+            WriterBackend::Remote(writer) => writer.flush(),
+        }
+    }
+}
+
+async fn blocking<T: Send + 'static>(work: impl FnOnce() -> std::io::Result<T> + Send + 'static) -> StoreResult<T> {
+    match tokio::task::spawn_blocking(work).await {
+        Ok(result) => Ok(result?),
+        Err(e) => Err(StoreError::Io(std::io::Error::other(e))),
+    }
+}
+
+/// A blocking reader as a stream of chunks, each read on the blocking pool.
+fn blocking_chunks(reader: impl std::io::Read + Send + 'static) -> BoxStream<'static, StoreResult<Bytes>> {
+    futures_util::stream::try_unfold(Some(reader), |reader| async move {
+        let Some(mut reader) = reader else { return Ok(None) };
+        let (reader, chunk) = blocking(move || {
+            let mut buf = vec![0u8; READ_CHUNK];
+            let n = reader.read(&mut buf)?;
+            buf.truncate(n);
+            Ok((reader, buf))
+        })
+        .await?;
+        Ok(if chunk.is_empty() { None } else { Some((Bytes::from(chunk), Some(reader))) })
+    })
+    .boxed()
+}
+
+/// Size and sha256 of a local file, or `None` when it does not exist (blocking). For the
+/// partner client's downloads, not for stored objects.
+pub fn file_digest(path: &Path) -> std::io::Result<Option<(u64, String)>> {
+    match std::fs::File::open(path) {
+        Ok(file) => local::sha256_of(file).map(Some),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e),
     }
-}
-
-fn read_dir_names(dir: &Path) -> io::Result<Vec<String>> {
-    match fs::read_dir(dir) {
-        Ok(entries) => Ok(entries.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
-        Err(e) => Err(e),
-    }
-}
-
-/// (files, bytes) under `dir`, recursively.
-fn dir_size(dir: &Path) -> io::Result<(u64, u64)> {
-    let entries = match fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((0, 0)),
-        Err(e) => return Err(e),
-    };
-    let (mut files, mut bytes) = (0, 0);
-    for entry in entries {
-        let entry = entry?;
-        let meta = entry.metadata()?;
-        if meta.is_dir() {
-            let (f, b) = dir_size(&entry.path())?;
-            files += f;
-            bytes += b;
-        } else {
-            files += 1;
-            bytes += meta.len();
-        }
-    }
-    Ok((files, bytes))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
 
     #[test]
     fn object_keys_cannot_escape_the_root() {
@@ -225,19 +326,22 @@ mod tests {
     }
 
     #[test]
-    fn persisted_objects_appear_whole_and_can_be_deleted() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = ArtifactStore::open(dir.path()).unwrap();
-        let key = ObjectKey::parse("t/e/g1/shard-00000.csv.gz").unwrap();
-        let (temp, mut file) = store.temp_file().unwrap();
-        file.write_all(b"hello").unwrap();
-        assert_eq!(store.digest(&key).unwrap(), None, "not visible before persist");
-        store.persist(&temp, file, &key).unwrap();
-        let (bytes, sha) = store.digest(&key).unwrap().unwrap();
-        assert_eq!(bytes, 5);
-        assert_eq!(sha, "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824");
-        assert!(!temp.exists());
-        assert_eq!(store.delete_prefix_counted(&ObjectKey::parse("t/e").unwrap()).unwrap(), (1, 5));
-        assert_eq!(store.digest(&key).unwrap(), None);
+    fn storage_locations_parse_with_the_field_named_on_error() {
+        let env = |name: &str| (name == "EXPORTD_S3_ENDPOINT").then(|| "http://127.0.0.1:8333".to_owned());
+        let data = Path::new("/var/exportd");
+        assert!(
+            matches!(StorageLocation::parse(None, data, env), Ok(StorageLocation::Local(p)) if p.starts_with(data))
+        );
+        let Ok(StorageLocation::S3(s3)) = StorageLocation::parse(Some("s3://exports/prod/eu"), data, env) else {
+            panic!("s3 url not parsed")
+        };
+        assert_eq!((s3.bucket.as_str(), s3.prefix.as_str(), s3.region.as_str()), ("exports", "prod/eu", "us-east-1"));
+        assert_eq!(s3.endpoint.as_deref(), Some("http://127.0.0.1:8333"));
+        for bad in ["s3://E", "s3://exports/../x", "gs://b", "file://"] {
+            assert!(StorageLocation::parse(Some(bad), data, env).is_err(), "{bad} accepted");
+        }
+        let bad_endpoint = |_: &str| Some("127.0.0.1:8333".to_owned());
+        let error = StorageLocation::parse(Some("s3://exports"), data, bad_endpoint).unwrap_err();
+        assert!(error.contains("EXPORTD_S3_ENDPOINT"), "{error}");
     }
 }

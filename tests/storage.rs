@@ -1,0 +1,346 @@
+//! The artifact store, one set of scenarios run against both backends: the local directory
+//! and real S3-compatible object storage (SeaweedFS, started by scripts/test). Writing,
+//! verifying, splicing, ranges, deleting, listing, crash-resume — then what only object
+//! storage has: abandoned multipart uploads and a store outage in the middle of an export.
+
+mod common;
+
+use common::proxy::OutageProxy;
+use common::{Backend, TestApp, csv_rows, expire_lease, full_csv, problem, put_object, read_object};
+use exportd::jobs::{ClaimedExport, Step, WorkerConfig};
+use exportd::storage::{ObjectKey, StorageLocation};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use sqlx::PgPool;
+
+fn sha256(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// Each scenario, once per backend: `local::name` and `s3::name`.
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod local {
+            $(
+                #[sqlx::test(migrations = "./migrations")]
+                async fn $name(pool: sqlx::PgPool) {
+                    super::$name(super::TestApp::spawn_on(pool, super::Backend::Local).await).await
+                }
+            )*
+        }
+        mod s3 {
+            $(
+                #[sqlx::test(migrations = "./migrations")]
+                async fn $name(pool: sqlx::PgPool) {
+                    super::$name(super::TestApp::spawn_on(pool, super::Backend::S3).await).await
+                }
+            )*
+        }
+    };
+}
+
+on_both_backends!(
+    shards_are_written_spliced_and_served_in_ranges,
+    a_crashed_export_resumes_to_the_same_bytes_without_rewriting_verified_shards,
+    truncated_or_extended_shard_files_are_rewritten_on_rerun,
+    revoke_expiry_and_the_cleaner_delete_through_the_store,
+);
+
+async fn published(app: &TestApp, rows: u64) -> (String, Value) {
+    app.seed("acme", "tickets", rows).await;
+    let token = app.token("acme", "alice");
+    let id = app.export(&token, &json!({"dataset": "tickets", "format": "csv", "shard_rows": 100})).await;
+    assert_eq!(app.drain().await, vec![Step::Published]);
+    let manifest: Value = app.get(Some(&token), &format!("/v1/exports/{id}/manifest")).await.json().await.unwrap();
+    (id, manifest)
+}
+
+async fn get(app: &TestApp, path: &str, range: Option<&str>) -> reqwest::Response {
+    let mut request = app.client.get(app.url(path)).bearer_auth(app.token("acme", "alice"));
+    if let Some(range) = range {
+        request = request.header("range", range);
+    }
+    request.send().await.unwrap()
+}
+
+async fn shards_are_written_spliced_and_served_in_ranges(app: TestApp) {
+    let (id, manifest) = published(&app, 230).await;
+    let prefix = ObjectKey::parse(&format!("acme/{id}")).unwrap();
+    let listed = app.store.list(Some(&prefix)).await.unwrap();
+    assert_eq!(listed.len(), 3, "one object per shard: {listed:?}");
+    for (n, shard) in manifest["shards"].as_array().unwrap().iter().enumerate() {
+        let key: String =
+            sqlx::query_scalar("SELECT object_key FROM export_shards WHERE export_id = $1::uuid AND shard_index = $2")
+                .bind(&id)
+                .bind(n as i32)
+                .fetch_one(&app.pool)
+                .await
+                .unwrap();
+        let (bytes, digest) = app.store.digest(&ObjectKey::parse(&key).unwrap()).await.unwrap().unwrap();
+        assert_eq!((bytes, digest.as_str()), (shard["bytes"].as_u64().unwrap(), shard["sha256"].as_str().unwrap()));
+        let served = get(&app, &format!("/v1/exports/{id}/shards/{n}"), None).await.bytes().await.unwrap();
+        assert_eq!(sha256(&served), shard["sha256"]);
+    }
+
+    // The whole file is spliced from byte ranges of the three objects plus a computed trailer.
+    let whole = get(&app, &format!("/v1/exports/{id}/file"), None).await;
+    assert_eq!(whole.status(), 200);
+    let whole = whole.bytes().await.unwrap();
+    assert_eq!(sha256(&whole), manifest["file"]["sha256"]);
+    assert_eq!(csv_rows(&whole).len(), 231, "one header and every row");
+
+    // Ranges inside one object, across object boundaries, suffixes, and past the end.
+    let len = whole.len();
+    let shard0 = manifest["shards"][0]["bytes"].as_u64().unwrap() as usize;
+    for (range, from, to) in [
+        ("bytes=0-99".to_owned(), 0, 99),
+        (format!("bytes={}-{}", shard0 - 50, shard0 + 50), shard0 - 50, shard0 + 50),
+        ("bytes=-40".to_owned(), len - 40, len - 1),
+        (format!("bytes=100-{}", len + 1000), 100, len - 1),
+    ] {
+        let response = get(&app, &format!("/v1/exports/{id}/file"), Some(&range)).await;
+        assert_eq!(response.status(), 206, "{range}");
+        assert_eq!(response.headers()["content-range"], format!("bytes {from}-{to}/{len}").as_str());
+        assert_eq!(&response.bytes().await.unwrap()[..], &whole[from..=to], "{range}");
+    }
+    let beyond = get(&app, &format!("/v1/exports/{id}/file"), Some(&format!("bytes={len}-"))).await;
+    assert_eq!(beyond.status(), 416);
+    assert_eq!(beyond.headers()["content-range"], format!("bytes */{len}").as_str());
+    let head = app
+        .client
+        .head(app.url(&format!("/v1/exports/{id}/file")))
+        .bearer_auth(app.token("acme", "alice"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(head.headers()["content-length"], len.to_string().as_str());
+}
+
+/// A worker claims the job, writes `shards` shards, then its process dies (the run is dropped
+/// with its lease still held).
+async fn crash_after(app: &TestApp, shards: usize) {
+    let mut doomed = ClaimedExport::claim(&app.deps(), "doomed").await.unwrap().unwrap();
+    for index in 0..shards {
+        assert!(matches!(doomed.step().await.unwrap(), Step::ShardWritten { index: i, .. } if i as usize == index));
+    }
+}
+
+async fn manifest_of(app: &TestApp, id: &str) -> String {
+    let bytes: Vec<u8> = sqlx::query_scalar("SELECT manifest FROM export_jobs WHERE id = $1::uuid")
+        .bind(id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    String::from_utf8(bytes).unwrap()
+}
+
+async fn a_crashed_export_resumes_to_the_same_bytes_without_rewriting_verified_shards(app: TestApp) {
+    app.seed("acme", "tickets", 230).await;
+    let id = app.export(&app.token("acme", "alice"), &full_csv(50)).await;
+    crash_after(&app, 2).await;
+    let deps = app.deps();
+    assert!(ClaimedExport::claim(&deps, "too-early").await.unwrap().is_none(), "the lease still holds");
+    expire_lease(&app.pool, &id).await;
+    let mut resumed = ClaimedExport::claim(&deps, "rescuer").await.unwrap().unwrap();
+    assert_eq!(resumed.lease().generation, 2);
+    let mut steps = Vec::new();
+    loop {
+        let step = resumed.step().await.unwrap();
+        let done = step.is_final();
+        steps.push(step);
+        if done {
+            break;
+        }
+    }
+    assert_eq!(
+        steps,
+        vec![
+            Step::ShardVerified { index: 0 },
+            Step::ShardVerified { index: 1 },
+            Step::ShardWritten { index: 2, rows: 50, last: false },
+            Step::ShardWritten { index: 3, rows: 50, last: false },
+            Step::ShardWritten { index: 4, rows: 30, last: true },
+            Step::Published,
+        ]
+    );
+    let first_generation = ObjectKey::parse(&format!("acme/{id}/g1")).unwrap();
+    assert_eq!(app.store.list(Some(&first_generation)).await.unwrap().len(), 2, "verified shards are kept");
+    let resumed_manifest = manifest_of(&app, &id).await;
+    let resumed_files = app.own_shard_files(&id).await;
+
+    // The same job, run again without interruption into a second, empty store of the same kind.
+    sqlx::query("UPDATE export_jobs SET state = 'QUEUED', manifest = NULL, manifest_sha256 = NULL, lease_expires_at = NULL WHERE id = $1::uuid").bind(&id).execute(&app.pool).await.unwrap();
+    sqlx::query("DELETE FROM export_shards WHERE export_id = $1::uuid").bind(&id).execute(&app.pool).await.unwrap();
+    let second_dir = tempfile::tempdir().unwrap();
+    let backend = if app.store.describe().starts_with("s3://") { Backend::S3 } else { Backend::Local };
+    let second_store = common::fresh_store(backend, &app.pool, second_dir.path()).await;
+    let clean = app.deps_with(app.registry.clone(), second_store.clone());
+    assert_eq!(exportd::jobs::drain(&clean, "clean").await.unwrap(), vec![Step::Published]);
+    assert_eq!(resumed_manifest, manifest_of(&app, &id).await);
+    assert_eq!(resumed_files, app.shard_files(&id, &second_store).await);
+}
+
+async fn truncated_or_extended_shard_files_are_rewritten_on_rerun(app: TestApp) {
+    app.seed("acme", "tickets", 130).await;
+    let id = app.export(&app.token("acme", "alice"), &full_csv(50)).await;
+    crash_after(&app, 2).await;
+    let original = app.own_shard_files(&id).await;
+    put_object(&app.store, &format!("acme/{id}/g1/shard-00000.csv.gz"), original[0][..original[0].len() / 2].to_vec())
+        .await;
+    let mut extended = original[1].clone();
+    extended.extend_from_slice(b"garbage");
+    put_object(&app.store, &format!("acme/{id}/g1/shard-00001.csv.gz"), extended).await;
+
+    expire_lease(&app.pool, &id).await;
+    let mut resumed = ClaimedExport::claim(&app.deps(), "rescuer").await.unwrap().unwrap();
+    assert_eq!(resumed.step().await.unwrap(), Step::ShardRewritten { index: 0 });
+    assert_eq!(resumed.step().await.unwrap(), Step::ShardRewritten { index: 1 });
+    assert_eq!(resumed.step().await.unwrap(), Step::ShardWritten { index: 2, rows: 30, last: true });
+    assert_eq!(resumed.step().await.unwrap(), Step::Published);
+    assert_eq!(app.own_shard_files(&id).await[..2], original[..]);
+    let first_generation = ObjectKey::parse(&format!("acme/{id}/g1")).unwrap();
+    assert_eq!(app.store.list(Some(&first_generation)).await.unwrap(), vec![], "the corrupt files were removed");
+}
+
+async fn revoke_expiry_and_the_cleaner_delete_through_the_store(app: TestApp) {
+    let (expiring, _) = published(&app, 230).await;
+    let admin = app.token("acme", "alice");
+    let live = app.export(&admin, &json!({"dataset": "tickets", "format": "jsonl", "shard_rows": 100})).await;
+    app.drain().await;
+    let live_files = app.own_shard_files(&live).await;
+    let revoked = app.export(&admin, &json!({"dataset": "tickets", "format": "csv", "shard_rows": 100})).await;
+    app.drain().await;
+
+    // Revoking deletes the export's files at once.
+    let response = app.client.delete(app.url(&format!("/v1/exports/{revoked}"))).bearer_auth(&admin).send().await;
+    assert_eq!(response.unwrap().status(), 200);
+    let revoked_prefix = ObjectKey::parse(&format!("acme/{revoked}")).unwrap();
+    assert_eq!(app.store.list(Some(&revoked_prefix)).await.unwrap(), vec![]);
+
+    // Debris: an orphan export and a stale file of an older attempt of a live export.
+    let orphan = format!("acme/{}/g1/shard-00000.csv.gz", uuid::Uuid::new_v4());
+    put_object(&app.store, &orphan, vec![7u8; 4096]).await;
+    let stale = format!("acme/{live}/g0/shard-00000.jsonl.gz");
+    put_object(&app.store, &stale, vec![7u8; 1000]).await;
+
+    let store = &app.store;
+    let report = exportd::cleaner::run_once(&app.pool, store, &app.registry, app.clock.now()).await.unwrap();
+    assert!(report.ran);
+    assert_eq!(report.expired, 0);
+    assert_eq!(report.bytes("orphan"), 4096);
+    assert_eq!(report.bytes("unreferenced"), 1000);
+    for debris in [&orphan, &stale] {
+        assert_eq!(read_object(store, &ObjectKey::parse(debris).unwrap()).await, None, "{debris} remains");
+    }
+    assert_eq!(app.own_shard_files(&live).await, live_files, "a live export is untouched");
+    assert_eq!(get(&app, &format!("/v1/exports/{expiring}/file"), None).await.status(), 200);
+
+    // acme keeps artifacts 72 hours (fixture default): move the clock past that.
+    app.clock.advance(std::time::Duration::from_secs(73 * 3600));
+    let report = exportd::cleaner::run_once(&app.pool, store, &app.registry, app.clock.now()).await.unwrap();
+    assert_eq!(report.expired, 2);
+    assert!(report.bytes("expired") > 0);
+    assert_eq!(app.state(&expiring).await, "EXPIRED");
+    assert_eq!(app.store.list(None).await.unwrap(), vec![], "nothing is left");
+    assert_eq!(get(&app, &format!("/v1/exports/{expiring}/file"), None).await.status(), 410);
+    let reclaimed: i64 = sqlx::query_scalar("SELECT sum(bytes)::bigint FROM storage_reclaims WHERE reason = 'expired'")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(reclaimed as u64, report.bytes("expired"));
+
+    // Two cleaners at once: one runs, the other steps aside.
+    let (a, b) = tokio::join!(
+        exportd::cleaner::run_once(&app.pool, store, &app.registry, app.clock.now()),
+        exportd::cleaner::run_once(&app.pool, store, &app.registry, app.clock.now())
+    );
+    assert!(a.is_ok() && b.is_ok());
+}
+
+/// A writer that dies mid-upload (no abort, no completion) leaves a multipart upload: nothing
+/// is visible, and the cleaner aborts it once it has been idle for an hour.
+#[sqlx::test(migrations = "./migrations")]
+async fn abandoned_multipart_uploads_are_invisible_and_aborted_by_the_cleaner(pool: PgPool) {
+    let app = TestApp::spawn_on(pool, Backend::S3).await;
+    let key = ObjectKey::parse("acme/0190c0de-0000-7000-8000-000000000000/g1/shard-00000.csv.gz").unwrap();
+    let store = app.store.clone();
+    let writer_key = key.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut writer = store.writer(&writer_key).unwrap();
+        // Over one part (8 MiB), so a multipart upload is started and a part sent.
+        std::io::Write::write_all(&mut writer, &vec![1u8; 9 * 1024 * 1024]).unwrap();
+        std::mem::forget(writer); // the process died: no completion, no abort
+    })
+    .await
+    .unwrap();
+    assert_eq!(app.store.digest(&key).await.unwrap(), None, "an unfinished upload is not an object");
+    // The part still uploading in the background marks the upload as touched when it lands.
+    let touched = "SELECT count(*) FROM pending_uploads WHERE touched_at > started_at";
+    for _ in 0..200 {
+        if sqlx::query_scalar::<_, i64>(touched).fetch_one(&app.pool).await.unwrap() == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(sqlx::query_scalar::<_, i64>(touched).fetch_one(&app.pool).await.unwrap(), 1, "the part was sent");
+
+    let report = exportd::cleaner::run_once(&app.pool, &app.store, &app.registry, app.clock.now()).await.unwrap();
+    assert!(report.reclaimed.iter().all(|r| r.0 != "stale-temp"), "a fresh upload is left alone");
+    sqlx::query("UPDATE pending_uploads SET touched_at = now() - interval '2 hours'").execute(&app.pool).await.unwrap();
+    let report = exportd::cleaner::run_once(&app.pool, &app.store, &app.registry, app.clock.now()).await.unwrap();
+    assert!(report.reclaimed.iter().any(|r| r.0 == "stale-temp" && r.1 == 1), "{report:?}");
+    let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM pending_uploads").fetch_one(&app.pool).await.unwrap();
+    assert_eq!(pending, 0);
+    assert_eq!(app.store.digest(&key).await.unwrap(), None);
+}
+
+/// The store goes away in the middle of an export: the worker retries, gives the job back
+/// without counting an attempt against it, and downloads answer 503 with Retry-After. When the
+/// store is back, the export finishes with the same bytes, and nothing was lost.
+#[sqlx::test(migrations = "./migrations")]
+async fn a_store_outage_mid_export_delays_it_and_loses_nothing(pool: PgPool) {
+    let endpoint = std::env::var("EXPORTD_TEST_S3_ENDPOINT").expect("EXPORTD_TEST_S3_ENDPOINT (run scripts/test)");
+    let target = endpoint.trim_start_matches("http://").trim_end_matches('/').parse().expect("host:port endpoint");
+    let proxy = OutageProxy::start(target).await;
+    let via_proxy = format!("http://{}", proxy.addr);
+    let app = TestApp::spawn_at(pool, |_| {
+        let mut config = common::s3_config(&format!("test-{}", uuid::Uuid::new_v4().simple()));
+        config.endpoint = Some(via_proxy);
+        StorageLocation::S3(config)
+    })
+    .await;
+    let (before, manifest) = published(&app, 230).await;
+    let admin = app.token("acme", "alice");
+    let during = app.export(&admin, &json!({"dataset": "tickets", "format": "csv", "shard_rows": 100})).await;
+    let mut deps = app.deps();
+    deps.config = WorkerConfig { lease_ttl: std::time::Duration::from_secs(3), ..deps.config };
+    let mut run = ClaimedExport::claim(&deps, "w").await.unwrap().unwrap();
+    assert!(matches!(run.step().await.unwrap(), Step::ShardWritten { index: 0, .. }));
+
+    proxy.cut();
+    let error = run.step_with_retries().await.expect_err("the store is down");
+    assert!(exportd::db::is_transient_chain(&error), "{error:#}");
+    run.give_back(true).await.unwrap();
+    let response = get(&app, &format!("/v1/exports/{before}/file"), None).await;
+    assert_eq!(response.status(), 503);
+    assert_eq!(response.headers()["retry-after"], "1");
+    assert_eq!(problem(response).await["code"], "temporarily-unavailable");
+    assert_eq!(app.state(&during).await, "RUNNING", "an outage does not fail the export");
+
+    // Several more runs during the outage do not exhaust the job's attempts.
+    for _ in 0..6 {
+        let mut run = ClaimedExport::claim(&deps, "w").await.unwrap().unwrap();
+        let error = run.step_with_retries().await.expect_err("still down");
+        assert!(exportd::db::is_transient_chain(&error));
+        run.give_back(true).await.unwrap();
+    }
+
+    proxy.heal();
+    assert_eq!(exportd::jobs::drain(&deps, "w").await.unwrap(), vec![Step::Published]);
+    let after: Value = app.get(Some(&admin), &format!("/v1/exports/{during}/manifest")).await.json().await.unwrap();
+    assert_eq!(after["file"]["sha256"], manifest["file"]["sha256"], "the same rows, the same bytes");
+    let whole = get(&app, &format!("/v1/exports/{during}/file"), None).await.bytes().await.unwrap();
+    assert_eq!(sha256(&whole), manifest["file"]["sha256"]);
+    let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM pending_uploads").fetch_one(&app.pool).await.unwrap();
+    assert_eq!(pending, 0, "no upload is left behind");
+}
