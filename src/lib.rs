@@ -7,6 +7,7 @@ pub mod auth;
 pub mod cleaner;
 pub mod client;
 pub mod clock;
+pub mod cluster;
 pub mod config;
 pub mod db;
 pub mod exports;

@@ -10,6 +10,7 @@ use sqlx::PgPool;
 use tokio::sync::watch;
 
 use crate::clock::Clock;
+use crate::cluster::{Membership, Roles};
 use crate::config::Settings;
 use crate::db;
 use crate::feeds;
@@ -88,10 +89,13 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     tracing::info!(address = %listener.local_addr()?, tenants = registry.tenants().count(), workers = options.workers, "exportd listening");
     let shutdown = shutdown_channel();
     let clock = Clock::system();
-    let mut handles = jobs::spawn_workers(&deps, options.workers, &shutdown);
+    let limits = Arc::new(RateLimits::new(&registry));
+    let roles = Roles { api: true, workers: options.workers > 0 };
+    let membership = Membership::join(&pool, roles, shutdown.clone());
+    let mut handles = vec![tokio::spawn(follow_shares(membership, Some(limits.clone()), deps.scan.clone()))];
+    handles.extend(jobs::spawn_workers(&deps, options.workers, &shutdown));
     handles.push(spawn_cleaner(&deps, clock.clone(), options.clean_every, &shutdown));
     handles.push(tokio::spawn(feeds::run_ticker(pool.clone(), TICK_EVERY, shutdown.clone())));
-    let limits = Arc::new(RateLimits::new(&registry));
     handles.push(tokio::spawn(crate::quota::run_housekeeping(limits.clone(), pool.clone(), shutdown.clone())));
     let state = AppState {
         pool: pool.clone(),
@@ -144,7 +148,10 @@ pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> 
     } else {
         tracing::info!(workers, "exportd worker started");
         let shutdown = shutdown_channel();
-        let mut handles = jobs::spawn_workers(&deps, workers, &shutdown);
+        let roles = Roles { api: false, workers: true };
+        let membership = Membership::join(&pool, roles, shutdown.clone());
+        let mut handles = vec![tokio::spawn(follow_shares(membership, None, deps.scan.clone()))];
+        handles.extend(jobs::spawn_workers(&deps, workers, &shutdown));
         handles.push(spawn_cleaner(&deps, Clock::system(), CLEAN_EVERY, &shutdown));
         handles.push(tokio::spawn(feeds::run_ticker(deps.pool.clone(), TICK_EVERY, shutdown.clone())));
         // Runs until told to stop; only then do the workers get the drain time.
@@ -164,6 +171,22 @@ async fn worker_deps(settings: &Settings, pool: PgPool, registry: Arc<Registry>)
     anyhow::ensure!(settings.lease_ttl >= Duration::from_secs(1), "EXPORTD_LEASE_TTL: must be at least 1s");
     let config = WorkerConfig { lease_ttl: settings.lease_ttl, ..WorkerConfig::default() };
     Ok(WorkerDeps { pool, registry, store, keys, scan, config })
+}
+
+/// Keeps this process's share of every per-tenant rate equal to 1 / the live processes that
+/// enforce it, until the membership's heartbeat stops (at shutdown).
+pub async fn follow_shares(membership: Membership, api: Option<Arc<RateLimits>>, scan: Arc<ScanLimits>) {
+    let mut shares = membership.shares();
+    loop {
+        let now = *shares.borrow_and_update();
+        if let Some(api) = &api {
+            api.set_share(now.api);
+        }
+        scan.set_share(now.workers);
+        if shares.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 /// The keys that sign links and cursors.

@@ -295,3 +295,72 @@ async fn a_metrics_token_guards_the_metrics(pool: PgPool) {
     assert_eq!(ok.status(), 200);
     assert!(ok.text().await.unwrap().contains("exportd_exports"));
 }
+
+/// Two API processes (each its own governor buckets) sharing one tenant: registered in
+/// PostgreSQL, each enforces half the rate, so the tenant gets its configured rate in total —
+/// not twice it. When one leaves, the other takes the whole rate again.
+#[sqlx::test(migrations = "./migrations")]
+async fn two_api_processes_admit_the_configured_rate_in_total(pool: PgPool) {
+    use exportd::cluster::{Membership, Roles};
+    use exportd::quota::{RateLimits, ScanLimits};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    let app = TestApp::spawn(pool).await;
+    let roles = Roles { api: true, workers: false };
+    let mut processes = Vec::new();
+    for _ in 0..2 {
+        let (stop, shutdown) = tokio::sync::watch::channel(false);
+        let limits = Arc::new(RateLimits::new(&app.registry));
+        let membership = Membership::join(&app.pool, roles, shutdown);
+        let scan = Arc::new(ScanLimits::new(&app.registry));
+        tokio::spawn(exportd::server::follow_shares(membership, Some(limits.clone()), scan));
+        let with_limits = limits.clone();
+        let url = app.sibling_with(app.registry.clone(), move |state| state.limits = with_limits).await;
+        processes.push((url, limits, stop));
+    }
+    // The first process learns of the second at its next heartbeat.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while processes.iter().any(|(_, limits, _)| limits.share() != 2) {
+        assert!(Instant::now() < deadline, "the processes never saw each other");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // globex: 100 requests/s, burst 200. Offer 5× the rate, half to each process, for 4 s.
+    let token = app.token("globex", "hank");
+    let (seconds, per_process_rate) = (4u64, 250u64);
+    let mut load = tokio::task::JoinSet::new();
+    for (url, _, _) in &processes {
+        let (client, url, token) = (app.client.clone(), format!("{url}/v1/datasets"), token.clone());
+        load.spawn(async move {
+            let mut ticks = tokio::time::interval(Duration::from_micros(1_000_000 / per_process_rate));
+            let mut requests = tokio::task::JoinSet::new();
+            for _ in 0..seconds * per_process_rate {
+                ticks.tick().await;
+                let request = client.get(&url).bearer_auth(&token);
+                requests.spawn(async move { request.send().await.map(|r| r.status().as_u16()).unwrap_or(0) });
+            }
+            requests.join_all().await
+        });
+    }
+    let statuses: Vec<u16> = load.join_all().await.into_iter().flatten().collect();
+    let admitted = statuses.iter().filter(|s| **s == 200).count() as f64;
+    let refused = statuses.iter().filter(|s| **s == 429).count();
+    assert_eq!(admitted as usize + refused, statuses.len(), "only 200s and 429s");
+    let configured = 200.0 + 100.0 * seconds as f64; // the burst, then the rate
+    eprintln!("admitted {admitted} of {} offered; configured {configured}", statuses.len());
+    assert!(
+        (admitted - configured).abs() <= 0.25 * configured,
+        "admitted {admitted} of {} offered; the configured rate allows {configured}",
+        statuses.len()
+    );
+
+    // One process leaves: the other enforces the whole rate again.
+    let (_, remaining, _) = &processes[0];
+    processes[1].2.send_replace(true);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while remaining.share() != 1 {
+        assert!(Instant::now() < deadline, "the departure was never noticed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

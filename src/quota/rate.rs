@@ -1,12 +1,14 @@
 //! In-process admission limits. API rates with `governor`: one keyed limiter per tenant (its own
-//! quota), keyed by the tenant for admins and by tenant + principal for partners. A refusal costs
-//! no database work: it is counted in memory and the counts are flushed in one statement every
-//! second or so. Concurrent downloads and requests in progress: a semaphore per tenant each.
+//! quota), keyed by the tenant for admins and by tenant + principal for partners. With several
+//! API processes each enforces its share (rate and burst divided by the live API processes, see
+//! [`crate::cluster`]), so the rate holds cluster-wide. A refusal costs no database work: it is
+//! counted in memory and the counts are flushed in one statement every second or so. Concurrent
+//! downloads and requests in progress: a semaphore per tenant each.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use governor::clock::{Clock, DefaultClock};
@@ -17,8 +19,15 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::auth::Caller;
 use crate::tenants::{Registry, TenantId};
 
+type ApiBuckets = HashMap<TenantId, DefaultKeyedRateLimiter<String>>;
+
 pub struct RateLimits {
-    api: HashMap<TenantId, DefaultKeyedRateLimiter<String>>,
+    /// Rebuilt when the share changes (the buckets start full again then).
+    api: RwLock<Arc<ApiBuckets>>,
+    /// Each tenant's configured (rate, burst) for the whole cluster.
+    api_quotas: HashMap<TenantId, (u32, u32)>,
+    /// Live API processes sharing the rates.
+    share: AtomicU32,
     /// Refusals not yet added to `tenant_usage.rate_limited`.
     refused: HashMap<TenantId, AtomicU64>,
     downloads: HashMap<TenantId, Arc<Semaphore>>,
@@ -28,14 +37,9 @@ pub struct RateLimits {
 
 impl RateLimits {
     pub fn new(registry: &Registry) -> RateLimits {
-        let api = registry
-            .tenants()
-            .map(|t| {
-                let rate = NonZeroU32::new(t.quota.api_requests_per_second).expect("validated > 0");
-                let burst = NonZeroU32::new(t.quota.api_burst).expect("validated > 0");
-                (t.id.clone(), RateLimiter::keyed(Quota::per_second(rate).allow_burst(burst)))
-            })
-            .collect();
+        let api_quotas: HashMap<TenantId, (u32, u32)> =
+            registry.tenants().map(|t| (t.id.clone(), (t.quota.api_requests_per_second, t.quota.api_burst))).collect();
+        let api = RwLock::new(Arc::new(api_buckets(&api_quotas, 1)));
         let refused = registry.tenants().map(|t| (t.id.clone(), AtomicU64::new(0))).collect();
         let downloads = registry
             .tenants()
@@ -45,7 +49,32 @@ impl RateLimits {
             .tenants()
             .map(|t| (t.id.clone(), Arc::new(Semaphore::new(t.quota.max_concurrent_requests as usize))))
             .collect();
-        RateLimits { api, refused, downloads, requests, clock: DefaultClock::default() }
+        RateLimits {
+            api,
+            api_quotas,
+            share: AtomicU32::new(1),
+            refused,
+            downloads,
+            requests,
+            clock: DefaultClock::default(),
+        }
+    }
+
+    /// Splits every tenant's API rate and burst between `processes` live API processes.
+    pub fn set_share(&self, processes: u32) {
+        let processes = processes.max(1);
+        if self.share.swap(processes, Ordering::Relaxed) != processes {
+            *self.api.write().expect("not poisoned") = Arc::new(api_buckets(&self.api_quotas, processes));
+        }
+    }
+
+    /// The live API processes this one shares the rates with (itself included).
+    pub fn share(&self) -> u32 {
+        self.share.load(Ordering::Relaxed)
+    }
+
+    fn buckets(&self) -> Arc<ApiBuckets> {
+        self.api.read().expect("not poisoned").clone()
     }
 
     /// A slot for one streaming download of the tenant, held until the body ends; `None` when
@@ -57,7 +86,8 @@ impl RateLimits {
     /// Takes one request from the caller's bucket; `Err(wait)` when it is empty (the refusal is
     /// counted in memory).
     pub fn check_api(&self, caller: &Caller) -> Result<(), Duration> {
-        let Some(limiter) = self.api.get(&caller.tenant.id) else { return Ok(()) };
+        let buckets = self.buckets();
+        let Some(limiter) = buckets.get(&caller.tenant.id) else { return Ok(()) };
         let key = if caller.principal.is_admin() { String::new() } else { caller.principal.id.to_string() };
         limiter.check_key(&key).map_err(|not_until| {
             if let Some(count) = self.refused.get(&caller.tenant.id) {
@@ -107,11 +137,28 @@ impl RateLimits {
 
     /// Forgets idle keys (call periodically: the key maps would otherwise only grow).
     pub fn retain_recent(&self) {
-        for limiter in self.api.values() {
+        for limiter in self.buckets().values() {
             limiter.retain_recent();
             limiter.shrink_to_fit();
         }
     }
+}
+
+/// Keyed limiters with each tenant's `(rate, burst)` divided by `share` processes.
+fn api_buckets(quotas: &HashMap<TenantId, (u32, u32)>, share: u32) -> ApiBuckets {
+    quotas
+        .iter()
+        .map(|(tenant, &(rate, burst))| (tenant.clone(), RateLimiter::keyed(shared_quota(rate, burst, share))))
+        .collect()
+}
+
+/// `rate` per second and `burst` split `share` ways: exact fractional rates (one cell every
+/// `share / rate` seconds), the burst rounded up so every process admits at least one.
+pub(crate) fn shared_quota(rate: u32, burst: u32, share: u32) -> Quota {
+    let share = share.max(1);
+    let period = Duration::from_secs_f64(f64::from(share) / f64::from(rate.max(1)));
+    let burst = NonZeroU32::new(burst.div_ceil(share).max(1)).expect("at least 1");
+    Quota::with_period(period.max(Duration::from_nanos(1))).expect("a positive period").allow_burst(burst)
 }
 
 /// Flushes refusal counts every second and forgets idle limiter keys every minute, until

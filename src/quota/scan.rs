@@ -1,41 +1,55 @@
-//! The scan rate: rows a tenant's exports may read per second, across this process's workers
-//! (`governor`, one bucket per tenant holding one second's worth). A shard takes its budget up
+//! The scan rate: rows a tenant's exports may read per second, across all worker processes
+//! (`governor`, one bucket per tenant holding one second's worth of this process's share: the
+//! rate divided by the live worker processes, see [`crate::cluster`]). A shard takes its budget up
 //! front when it starts; a worker whose tenant is over its rate there gives the job back and
 //! serves another tenant meanwhile. Rows beyond one second's worth are waited for page by page.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
-
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use governor::clock::{Clock, DefaultClock};
-use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use governor::{DefaultDirectRateLimiter, RateLimiter};
 
 use crate::tenants::{Registry, TenantId};
 
 /// `governor` rounds replenish intervals below a nanosecond to zero: stay under 1e9 per second.
 const MAX_RATE: u32 = 1_000_000_000;
 
+/// Per tenant: the limiter and its burst (one second's worth of the share).
+type Buckets = HashMap<TenantId, (Arc<DefaultDirectRateLimiter>, NonZeroU32)>;
+
 pub struct ScanLimits {
-    per_tenant: HashMap<TenantId, (DefaultDirectRateLimiter, NonZeroU32)>,
+    per_tenant: RwLock<Arc<Buckets>>,
+    rates: HashMap<TenantId, u32>,
+    share: AtomicU32,
 }
 
 impl ScanLimits {
     pub fn new(registry: &Registry) -> ScanLimits {
-        let per_tenant = registry
-            .tenants()
-            .map(|t| {
-                let rate = NonZeroU32::new(t.quota.scan_rows_per_second.min(MAX_RATE)).expect("validated > 0");
-                (t.id.clone(), (RateLimiter::direct(Quota::per_second(rate)), rate))
-            })
-            .collect();
-        ScanLimits { per_tenant }
+        let rates: HashMap<TenantId, u32> =
+            registry.tenants().map(|t| (t.id.clone(), t.quota.scan_rows_per_second.min(MAX_RATE))).collect();
+        ScanLimits { per_tenant: RwLock::new(Arc::new(buckets(&rates, 1))), rates, share: AtomicU32::new(1) }
+    }
+
+    /// Splits every tenant's scan rate between `processes` live worker processes.
+    pub fn set_share(&self, processes: u32) {
+        let processes = processes.max(1);
+        if self.share.swap(processes, Ordering::Relaxed) != processes {
+            *self.per_tenant.write().expect("not poisoned") = Arc::new(buckets(&self.rates, processes));
+        }
+    }
+
+    fn bucket(&self, tenant: &str) -> Option<(Arc<DefaultDirectRateLimiter>, NonZeroU32)> {
+        self.per_tenant.read().expect("not poisoned").get(tenant).cloned()
     }
 
     /// Takes up to one second's worth of `rows` now if the budget allows; otherwise how long to
     /// wait. Returns the rows taken (the rest must be acquired as the shard goes).
     pub fn try_acquire(&self, tenant: &str, rows: u64) -> Result<u64, Duration> {
-        let Some((limiter, burst)) = self.per_tenant.get(tenant) else { return Ok(rows) };
+        let Some((limiter, burst)) = self.bucket(tenant) else { return Ok(rows) };
         let take = rows.min(u64::from(burst.get())) as u32;
         let Some(cells) = NonZeroU32::new(take) else { return Ok(0) };
         match limiter.check_n(cells) {
@@ -47,7 +61,7 @@ impl ScanLimits {
 
     /// Waits until the tenant may read `rows` more rows.
     pub async fn acquire(&self, tenant: &str, rows: u64) {
-        let Some((limiter, burst)) = self.per_tenant.get(tenant) else { return };
+        let Some((limiter, burst)) = self.bucket(tenant) else { return };
         let mut left = rows;
         while left > 0 {
             // A request above the burst could never pass: take it one second's worth at a time.
@@ -58,6 +72,17 @@ impl ScanLimits {
             left -= u64::from(take);
         }
     }
+}
+
+fn buckets(rates: &HashMap<TenantId, u32>, share: u32) -> Buckets {
+    rates
+        .iter()
+        .map(|(tenant, &rate)| {
+            // The burst is one second's worth of this process's share.
+            let quota = super::rate::shared_quota(rate, rate, share);
+            (tenant.clone(), (Arc::new(RateLimiter::direct(quota)), quota.burst_size()))
+        })
+        .collect()
 }
 
 #[cfg(test)]
