@@ -364,3 +364,30 @@ async fn two_api_processes_admit_the_configured_rate_in_total(pool: PgPool) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Workers of several processes claiming at the same moment: a tenant gets exactly its
+/// max_running_exports claimed, however many claims race (each claim locks only the job it takes,
+/// so without serializing the claims several saw the tenant idle and took one each).
+#[sqlx::test(migrations = "./migrations")]
+async fn racing_claims_never_exceed_max_running_exports(pool: PgPool) {
+    use exportd::jobs::ClaimedExport;
+    let app = TestApp::spawn(pool).await;
+    let token = app.token("globex", "hank");
+    let max_running = app.tenant("globex").quota.max_running_exports as usize;
+    for n in 0..5 {
+        let body = json!({"dataset": "tickets", "format": "csv"});
+        assert_eq!(app.create_export(&token, Some(&format!("race-{n}")), &body).await.status(), 202);
+    }
+    let deps = app.deps();
+    for round in 0..5 {
+        let claims = futures_util::future::join_all(
+            (0..8).map(|n| ClaimedExport::claim(&deps, Box::leak(format!("w{round}-{n}").into_boxed_str()))),
+        )
+        .await;
+        let claimed: Vec<_> = claims.into_iter().filter_map(|c| c.unwrap()).collect();
+        assert_eq!(claimed.len(), max_running, "round {round}: {} globex exports claimed at once", claimed.len());
+        for run in claimed {
+            run.release().await.unwrap();
+        }
+    }
+}

@@ -5,7 +5,8 @@
 //! in this order, so no two transactions ever wait on each other in a cycle:
 //! `tenant_usage` (quota decisions, [`crate::quota::lock_tenant`]) → `export_jobs` →
 //! `export_shards` → `scheduler_turns` (the claim only, last). Never an earlier kind after a
-//! later one.
+//! later one. The claim takes the `CLAIM_LOCK` advisory lock before any row; nothing else takes
+//! it, so it adds no cycle.
 
 use std::time::Duration;
 
@@ -30,6 +31,9 @@ fn millis(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
+/// Advisory lock key serializing claims ("exportd-claim").
+const CLAIM_LOCK: i64 = 0x6578_706f_7274_636d;
+
 /// A claimed job, and whether its previous holder yielded it cleanly between shards.
 #[derive(Debug, sqlx::FromRow)]
 pub struct Claimed {
@@ -44,8 +48,10 @@ pub struct Claimed {
 /// generation grows; a yielded job's claim is not counted as another attempt, and a claim that
 /// finds a new checkpoint since the previous one starts the stalled count again.
 ///
-/// Candidates are ranked without locks and only the chosen row is locked (`SKIP LOCKED`), so a
-/// claim holds one job row, then the tenant's `scheduler_turns` row (the lock order above).
+/// Claims are serialized cluster-wide by an advisory lock (one short statement each), so
+/// `max_running_exports` and the round-robin hold with any number of worker processes.
+/// Candidates are ranked without row locks and only the chosen row is locked (`SKIP LOCKED`),
+/// so a claim holds one job row, then the tenant's `scheduler_turns` row (the lock order above).
 pub async fn claim(
     pool: &PgPool,
     worker_id: &str,
@@ -54,6 +60,10 @@ pub async fn claim(
 ) -> sqlx::Result<Option<Claimed>> {
     let (tenants, max_running): (Vec<&str>, Vec<i32>) = limits.iter().map(|(t, m)| (t.as_str(), *m)).unzip();
     let mut tx = pool.begin().await?;
+    // Claims run one at a time across the cluster: two claimers ranking at once would both see
+    // a tenant below max_running_exports and take two of its jobs (each locks only its own).
+    // The next statement's snapshot is taken after the lock, so it sees the previous claim.
+    sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(CLAIM_LOCK).execute(&mut *tx).await?;
     let claimed: Option<Claimed> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "WITH limits AS (SELECT * FROM unnest($3::text[], $4::int[]) AS l(tenant, max_running)),
          busy AS (
