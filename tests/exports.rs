@@ -238,8 +238,10 @@ async fn a_stale_worker_cannot_write_after_another_took_over(pool: PgPool) {
     let mut fresh = ClaimedExport::claim(&deps, "fresh").await.unwrap().unwrap();
     assert_eq!(fresh.step().await.unwrap(), Step::ShardVerified { index: 0 });
     assert_eq!(stale.step().await.unwrap(), Step::LeaseLost, "the stale worker's write is refused");
-    let files_after_refusal =
-        std::fs::read_dir(app.data_dir.path().join(format!("objects/acme/{id}/g1"))).unwrap().count();
+    let files_after_refusal: usize = std::fs::read_dir(app.data_dir.path().join(format!("objects/acme/{id}")))
+        .unwrap()
+        .map(|attempt| std::fs::read_dir(attempt.unwrap().path()).unwrap().count())
+        .sum();
     assert_eq!(files_after_refusal, 1, "the stale worker left no new file");
     while !fresh.step().await.unwrap().is_final() {}
     let (state, generation, attempts): (String, i64, i32) =

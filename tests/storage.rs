@@ -163,13 +163,16 @@ async fn a_crashed_export_resumes_to_the_same_bytes_without_rewriting_verified_s
             Step::Published,
         ]
     );
-    let first_generation = ObjectKey::parse(&format!("acme/{id}/g1")).unwrap();
-    assert_eq!(app.store.list(Some(&first_generation)).await.unwrap().len(), 2, "verified shards are kept");
+    for verified in ["s0-a1", "s1-a1"] {
+        let first_attempt = ObjectKey::parse(&format!("acme/{id}/{verified}")).unwrap();
+        assert_eq!(app.store.list(Some(&first_attempt)).await.unwrap().len(), 1, "verified shards are kept");
+    }
     let resumed_manifest = manifest_of(&app, &id).await;
     let resumed_files = app.own_shard_files(&id).await;
 
     // The same job, run again without interruption into a second, empty store of the same kind.
-    sqlx::query("UPDATE export_jobs SET state = 'QUEUED', manifest = NULL, manifest_sha256 = NULL, lease_expires_at = NULL WHERE id = $1::uuid").bind(&id).execute(&app.pool).await.unwrap();
+    sqlx::query("UPDATE export_jobs SET state = 'QUEUED', manifest = NULL, manifest_sha256 = NULL, lease_expires_at = NULL,
+                 shards_done = 0, rows_done = 0, bytes_done = 0, planned_shards = 0, plan_complete = false WHERE id = $1::uuid").bind(&id).execute(&app.pool).await.unwrap();
     sqlx::query("DELETE FROM export_shards WHERE export_id = $1::uuid").bind(&id).execute(&app.pool).await.unwrap();
     let second_dir = tempfile::tempdir().unwrap();
     let backend = if app.store.describe().starts_with("s3://") { Backend::S3 } else { Backend::Local };
@@ -185,11 +188,15 @@ async fn truncated_or_extended_shard_files_are_rewritten_on_rerun(app: TestApp) 
     let id = app.export(&app.token("acme", "alice"), &full_csv(50)).await;
     crash_after(&app, 2).await;
     let original = app.own_shard_files(&id).await;
-    put_object(&app.store, &format!("acme/{id}/g1/shard-00000.csv.gz"), original[0][..original[0].len() / 2].to_vec())
-        .await;
+    put_object(
+        &app.store,
+        &format!("acme/{id}/s0-a1/shard-00000.csv.gz"),
+        original[0][..original[0].len() / 2].to_vec(),
+    )
+    .await;
     let mut extended = original[1].clone();
     extended.extend_from_slice(b"garbage");
-    put_object(&app.store, &format!("acme/{id}/g1/shard-00001.csv.gz"), extended).await;
+    put_object(&app.store, &format!("acme/{id}/s1-a1/shard-00001.csv.gz"), extended).await;
 
     expire_lease(&app.pool, &id).await;
     let mut resumed = ClaimedExport::claim(&app.deps(), "rescuer").await.unwrap().unwrap();

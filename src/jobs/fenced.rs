@@ -4,7 +4,7 @@
 //! **Lock order**, everywhere in exportd: a transaction that takes several row locks takes them
 //! in this order, so no two transactions ever wait on each other in a cycle:
 //! `tenant_usage` (quota decisions, [`crate::quota::lock_tenant`]) → `export_jobs` →
-//! `export_shards` → `scheduler_turns` (the claim only, last). Never an earlier kind after a
+//! `export_shards` → `export_shard_plan` → `scheduler_turns` (claims only, last). Never an earlier kind after a
 //! later one. The claim takes the `CLAIM_LOCK` advisory lock before any row; nothing else takes
 //! it, so it adds no cycle.
 
@@ -13,6 +13,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use super::shard_plan::{HAS_LIVE_WRITERS, NEEDS_COORDINATOR, Progress, ShardLease};
 use crate::exports::{ExportJob, ExportState, JOB_COLUMNS, ShardRecord};
 
 /// The right to work on one job, for one generation.
@@ -27,12 +28,12 @@ pub struct Lease {
 #[error("lease lost: another worker owns the job now")]
 pub struct LeaseLost;
 
-fn millis(d: Duration) -> f64 {
+pub(super) fn millis(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
 /// Advisory lock key serializing claims ("exportd-claim").
-const CLAIM_LOCK: i64 = 0x6578_706f_7274_636d;
+pub(super) const CLAIM_LOCK: i64 = 0x6578_706f_7274_636d;
 
 /// A claimed job, and whether its previous holder yielded it cleanly between shards.
 #[derive(Debug, sqlx::FromRow)]
@@ -43,8 +44,9 @@ pub struct Claimed {
 }
 
 /// Claims the next job fairly: among tenants below their `max_running_exports` (given as
-/// `limits`), the one served least recently; within it, its oldest job that is QUEUED, whose
-/// lease expired or was given back, or that awaits its cancellation. QUEUED becomes RUNNING; the
+/// `limits`; a job counts as running while its lease or one of its shard writers' is live),
+/// the one served least recently; within it, its oldest job that is QUEUED, whose lease expired
+/// or was given back with work left for its lease holder, or that awaits its cancellation. QUEUED becomes RUNNING; the
 /// generation grows; a yielded job's claim is not counted as another attempt, and a claim that
 /// finds a new checkpoint since the previous one starts the stalled count again.
 ///
@@ -67,12 +69,13 @@ pub async fn claim(
     let claimed: Option<Claimed> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "WITH limits AS (SELECT * FROM unnest($3::text[], $4::int[]) AS l(tenant, max_running)),
          busy AS (
-             SELECT tenant, count(*) AS running FROM export_jobs
-             WHERE state IN ('RUNNING', 'CANCEL_REQUESTED') AND lease_expires_at >= now() GROUP BY tenant),
+             SELECT j.tenant, count(*) AS running FROM export_jobs j
+             WHERE j.state IN ('RUNNING', 'CANCEL_REQUESTED') AND (j.lease_expires_at >= now() OR {HAS_LIVE_WRITERS})
+             GROUP BY j.tenant),
          waiting AS (
-             SELECT DISTINCT tenant FROM export_jobs
-             WHERE state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
-               AND (lease_expires_at IS NULL OR lease_expires_at < now())),
+             SELECT DISTINCT j.tenant FROM export_jobs j
+             WHERE j.state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
+               AND (j.lease_expires_at IS NULL OR j.lease_expires_at < now()) AND {NEEDS_COORDINATOR}),
          ranked AS (
              SELECT c.id, row_number() OVER (ORDER BY t.last_claimed_at NULLS FIRST, c.created_at, c.id) AS turn
              FROM waiting w
@@ -82,10 +85,11 @@ pub async fn claim(
              CROSS JOIN LATERAL (
                  SELECT j.id, j.created_at FROM export_jobs j
                  WHERE j.tenant = w.tenant AND j.state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
-                   AND (j.lease_expires_at IS NULL OR j.lease_expires_at < now())
+                   AND (j.lease_expires_at IS NULL OR j.lease_expires_at < now()) AND {NEEDS_COORDINATOR}
+                   -- A job whose shards are being written already counts as running.
+                   AND (coalesce(b.running, 0) < coalesce(l.max_running, 1) OR {HAS_LIVE_WRITERS})
                  ORDER BY j.created_at, j.id
-                 LIMIT 4) c
-             WHERE coalesce(b.running, 0) < coalesce(l.max_running, 1)),
+                 LIMIT 4) c),
          candidate AS (
              SELECT j.id, j.yielded FROM export_jobs j JOIN ranked r ON r.id = j.id
              WHERE j.state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
@@ -108,8 +112,8 @@ pub async fn claim(
              started_at = coalesce(j.started_at, now())
          FROM candidate
          WHERE j.id = candidate.id
-         RETURNING {}, candidate.yielded AS was_yielded",
-        JOB_COLUMNS.split(", ").map(|c| format!("j.{c}")).collect::<Vec<_>>().join(", ")
+         RETURNING {columns}, candidate.yielded AS was_yielded",
+        columns = JOB_COLUMNS.split(", ").map(|c| format!("j.{c}")).collect::<Vec<_>>().join(", ")
     )))
     .bind(worker_id)
     .bind(millis(ttl))
@@ -156,24 +160,26 @@ pub enum Refused {
     },
 }
 
-/// Records a shard file and advances progress, only while the job is RUNNING under this lease
-/// and the tenant's stored bytes stay within `storage_limit`. The tenant's usage row is locked
-/// first, so concurrent workers count one after another. Stored bytes are the `bytes_done` of
-/// the tenant's jobs whose files exist (one row per job, kept equal to the sum of its
-/// checkpoints), with this shard's earlier checkpoint replaced: a rewritten shard or a retried
-/// attempt is never charged twice, and the cost does not grow with the number of shards.
+/// Records a shard file and advances progress, only while the job is RUNNING, the shard's
+/// writer lease is this attempt's, and the tenant's stored bytes stay within `storage_limit`.
+/// The tenant's usage row is locked first, so concurrent writers count one after another.
+/// Stored bytes are the `bytes_done` of the tenant's jobs whose files exist (one row per job,
+/// kept equal to the sum of its checkpoints), with this shard's earlier checkpoint replaced: a
+/// rewritten shard or a retried attempt is never charged twice, and the cost does not grow
+/// with the number of shards. Returns the job's progress after this shard.
 pub async fn record_shard(
     pool: &PgPool,
-    lease: Lease,
+    lease: ShardLease,
+    writer: &str,
     tenant: &str,
     storage_limit: u64,
     shard: &ShardRecord,
-) -> sqlx::Result<Result<(), Refused>> {
+) -> sqlx::Result<Result<Progress, Refused>> {
     let mut tx = pool.begin().await?;
     crate::quota::lock_tenant(&mut tx, tenant).await?;
-    let (stored, replaced_rows, replaced_bytes): (i64, i64, i64) = sqlx::query_as(
+    let (stored, replaced, replaced_rows, replaced_bytes): (i64, bool, i64, i64) = sqlx::query_as(
         "SELECT (SELECT coalesce(sum(bytes_done), 0)::bigint FROM export_jobs WHERE tenant = $1 AND files_deleted_at IS NULL),
-                coalesce(s.rows, 0), coalesce(s.bytes, 0)
+                s.export_id IS NOT NULL, coalesce(s.rows, 0), coalesce(s.bytes, 0)
          FROM (SELECT 1) one LEFT JOIN export_shards s ON s.export_id = $2 AND s.shard_index = $3",
     )
     .bind(tenant)
@@ -185,22 +191,33 @@ pub async fn record_shard(
     if stored > storage_limit {
         return Ok(Err(Refused::StorageQuota { stored, limit: storage_limit }));
     }
-    let recorded: Option<i32> = sqlx::query_scalar(
-        "WITH fenced AS (
-             UPDATE export_jobs SET
-                 shards_done = GREATEST(shards_done, $3 + 1),
-                 rows_done = rows_done - $16 + $6,
-                 bytes_done = bytes_done - $17 + $7
-             WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING'
-             RETURNING id)
-         INSERT INTO export_shards (export_id, shard_index, first_key, last_key, rows, bytes, sha256, object_key,
-             head_bytes, head_crc32, head_raw_bytes, body_bytes, body_crc32, body_raw_bytes)
-         SELECT id, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15 FROM fenced
-         ON CONFLICT ON CONSTRAINT export_shards_pkey DO UPDATE SET object_key = EXCLUDED.object_key
-         RETURNING shard_index",
+    let progress: Option<Progress> = sqlx::query_as(
+        "UPDATE export_jobs SET
+             shards_done = shards_done + CASE WHEN $2 THEN 0 ELSE 1 END,
+             rows_done = rows_done - $3 + $4,
+             bytes_done = bytes_done - $5 + $6
+         WHERE id = $1 AND state = 'RUNNING'
+         RETURNING shards_done, planned_shards, plan_complete",
     )
     .bind(lease.job_id)
-    .bind(lease.generation)
+    .bind(replaced)
+    .bind(replaced_rows)
+    .bind(shard.rows)
+    .bind(replaced_bytes)
+    .bind(shard.bytes)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(progress) = progress else {
+        return Ok(Err(Refused::LeaseLost));
+    };
+    sqlx::query(
+        "INSERT INTO export_shards (export_id, shard_index, first_key, last_key, rows, bytes, sha256, object_key,
+             head_bytes, head_crc32, head_raw_bytes, body_bytes, body_crc32, body_raw_bytes, written_by)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
+         ON CONFLICT ON CONSTRAINT export_shards_pkey
+         DO UPDATE SET object_key = EXCLUDED.object_key, written_by = EXCLUDED.written_by",
+    )
+    .bind(lease.job_id)
     .bind(shard.shard_index)
     .bind(&shard.first_key)
     .bind(&shard.last_key)
@@ -214,15 +231,23 @@ pub async fn record_shard(
     .bind(shard.body_bytes)
     .bind(shard.body_crc32)
     .bind(shard.body_raw_bytes)
-    .bind(replaced_rows)
-    .bind(replaced_bytes)
-    .fetch_optional(&mut *tx)
+    .bind(writer)
+    .execute(&mut *tx)
     .await?;
-    if recorded.is_none() {
+    let fenced = sqlx::query(
+        "UPDATE export_shard_plan SET done = true, writer = NULL, writer_expires_at = NULL
+         WHERE export_id = $1 AND shard_index = $2 AND writer_attempt = $3 AND writer IS NOT NULL",
+    )
+    .bind(lease.job_id)
+    .bind(lease.shard_index)
+    .bind(lease.attempt)
+    .execute(&mut *tx)
+    .await?;
+    if fenced.rows_affected() == 0 {
         return Ok(Err(Refused::LeaseLost));
     }
     tx.commit().await?;
-    Ok(Ok(()))
+    Ok(Ok(progress))
 }
 
 /// What publishing records besides the state.
@@ -240,8 +265,9 @@ pub struct Publication<'a> {
     pub stored_cursor: Option<&'a str>,
 }
 
-/// RUNNING → SUCCEEDED with the manifest, only under this lease. `Err(LeaseLost)` also when a
-/// cancel request won the race: the caller then looks at the state.
+/// RUNNING → SUCCEEDED with the manifest, only under this lease and once every planned shard is
+/// recorded. `Err(LeaseLost)` also when a cancel request won the race: the caller then looks at
+/// the state.
 pub async fn publish(pool: &PgPool, lease: Lease, p: &Publication<'_>) -> sqlx::Result<Result<(), LeaseLost>> {
     let mut tx = pool.begin().await?;
     let published: Option<(String, String, String)> = sqlx::query_as(
@@ -250,6 +276,7 @@ pub async fn publish(pool: &PgPool, lease: Lease, p: &Publication<'_>) -> sqlx::
              published_at = now(), expires_at = now() + $10 * interval '1 hour',
              finished_at = now(), lease_owner = NULL, lease_expires_at = NULL
          WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING'
+           AND plan_complete AND shards_done >= planned_shards
          RETURNING tenant, principal, dataset",
     )
     .bind(lease.job_id)
@@ -270,38 +297,67 @@ pub async fn publish(pool: &PgPool, lease: Lease, p: &Publication<'_>) -> sqlx::
     if let Some(cursor) = p.stored_cursor {
         crate::exports::store_cursor(&mut tx, &tenant, &principal, &dataset, cursor).await?;
     }
+    sqlx::query("DELETE FROM export_shard_plan WHERE export_id = $1").bind(lease.job_id).execute(&mut *tx).await?;
     tx.commit().await?;
     Ok(Ok(()))
 }
 
+/// Whose right a terminal write is made under: the job's lease holder, or the writer of one of
+/// its shards (a shard that cannot be written fails the whole export).
+#[derive(Debug, Clone, Copy)]
+pub enum Fence {
+    Job(Lease),
+    Shard(ShardLease),
+}
+
+impl Fence {
+    pub fn job_id(&self) -> Uuid {
+        match self {
+            Fence::Job(lease) => lease.job_id,
+            Fence::Shard(lease) => lease.job_id,
+        }
+    }
+}
+
 /// Ends the job in `to` (CANCELLED from CANCEL_REQUESTED, FAILED from RUNNING) and forgets its
-/// checkpoints, in one transaction, only under this lease. Files are deleted afterwards by the
-/// caller: a stale worker never deletes files a newer attempt needs.
+/// checkpoints and plan, in one transaction, only under `fence`. Files are deleted afterwards
+/// by the caller: a stale worker never deletes files a newer attempt needs.
 pub async fn finish(
     pool: &PgPool,
-    lease: Lease,
+    fence: Fence,
     from: ExportState,
     to: ExportState,
     error: Option<(&str, &str)>,
 ) -> sqlx::Result<Result<(), LeaseLost>> {
+    let (condition, a, b) = match fence {
+        Fence::Job(lease) => ("lease_generation = $6", lease.generation, 0),
+        Fence::Shard(lease) => (
+            "EXISTS (SELECT 1 FROM export_shard_plan p WHERE p.export_id = $1 AND p.shard_index = $6
+                     AND p.writer_attempt = $7 AND p.writer IS NOT NULL)",
+            i64::from(lease.shard_index),
+            lease.attempt,
+        ),
+    };
     let mut tx = pool.begin().await?;
-    let done = sqlx::query(
-        "UPDATE export_jobs SET state = $4, error_code = $5, error_detail = $6,
+    let done = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE export_jobs SET state = $3, error_code = $4, error_detail = $5,
              finished_at = now(), lease_owner = NULL, lease_expires_at = NULL
-         WHERE id = $1 AND lease_generation = $2 AND state = $3",
-    )
-    .bind(lease.job_id)
-    .bind(lease.generation)
+         WHERE id = $1 AND state = $2 AND {condition} AND $7 = $7"
+    )))
+    .bind(fence.job_id())
     .bind(from.as_str())
     .bind(to.as_str())
     .bind(error.map(|e| e.0))
     .bind(error.map(|e| e.1))
+    .bind(a)
+    .bind(b)
     .execute(&mut *tx)
     .await?;
     if done.rows_affected() == 0 {
         return Ok(Err(LeaseLost));
     }
-    sqlx::query("DELETE FROM export_shards WHERE export_id = $1").bind(lease.job_id).execute(&mut *tx).await?;
+    sqlx::query("DELETE FROM export_shards WHERE export_id = $1").bind(fence.job_id()).execute(&mut *tx).await?;
+    sqlx::query("DELETE FROM export_shard_plan WHERE export_id = $1").bind(fence.job_id()).execute(&mut *tx).await?;
     tx.commit().await?;
     Ok(Ok(()))
 }

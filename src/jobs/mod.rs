@@ -1,11 +1,17 @@
 //! Workers: claim export jobs with `FOR UPDATE SKIP LOCKED`, hold a lease whose generation
-//! fences every write, and run them shard by shard. Many processes on many machines share the
-//! work through PostgreSQL alone.
+//! fences every write, and run them shard by shard; a worker with no job of its own helps write
+//! another export's planned shards. Many processes on many machines share the work through
+//! PostgreSQL alone.
 
+mod ending;
 mod fenced;
+mod heartbeat;
+mod helper;
 mod plan;
 mod runner;
 mod shard;
+mod shard_plan;
+mod shard_task;
 mod source;
 
 use std::sync::Arc;
@@ -66,7 +72,7 @@ pub struct WorkerDeps {
     pub config: WorkerConfig,
 }
 
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 pub enum Outcome {
     /// Ran a job until it ended (or its lease was lost or released); the last step says how.
     Ran(Step),
@@ -81,7 +87,16 @@ pub async fn run_next_job(
     shutdown: &watch::Receiver<bool>,
 ) -> anyhow::Result<Outcome> {
     let Some(mut run) = ClaimedExport::claim(deps, worker_id).await? else {
-        return Ok(Outcome::Idle);
+        return match helper::help(deps, worker_id).await? {
+            None => Ok(Outcome::Idle),
+            Some(step) => {
+                count(&step);
+                // A helper's shard is not the end of a run: only the export's end is.
+                let step =
+                    if matches!(step, Step::ShardWritten { .. } | Step::LeaseLost) { Step::Yielded } else { step };
+                Ok(Outcome::Ran(step))
+            }
+        };
     };
     loop {
         if *shutdown.borrow() {
@@ -106,7 +121,7 @@ pub async fn run_next_job(
         if step.is_final() {
             return Ok(Outcome::Ran(step));
         }
-        if let Step::Throttled { .. } = step {
+        if let Step::Throttled { .. } | Step::Waiting = step {
             run.release().await?;
             return Ok(Outcome::Ran(step));
         }
@@ -139,19 +154,28 @@ fn count(step: &Step) {
     metrics::counter!(name).increment(1);
 }
 
-/// Runs jobs until every job is done, then returns how each run ended (yields left out)
-/// (`exportd worker --exit-when-idle`, tests).
+/// Runs jobs until no job is left to run or help with (waiting while another worker plans an
+/// export whose shards it can help write), then returns how each run ended (yields and helped
+/// shards left out) (`exportd worker --exit-when-idle`, tests).
 pub async fn drain(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Vec<Step>> {
     let (_keep, shutdown) = watch::channel(false);
     let mut steps = Vec::new();
     let mut throttled = Throttle::default();
-    while let Outcome::Ran(step) = run_next_job(deps, worker_id, &shutdown).await? {
-        throttled.after(&step, deps.config.poll_interval).await;
-        if !matches!(step, Step::Yielded | Step::Throttled { .. }) {
-            steps.push(step);
+    loop {
+        match run_next_job(deps, worker_id, &shutdown).await? {
+            Outcome::Ran(step) => {
+                throttled.after(&step, deps.config.poll_interval).await;
+                if !matches!(step, Step::Yielded | Step::Throttled { .. } | Step::Waiting) {
+                    steps.push(step);
+                }
+            }
+            // Another worker is planning an export whose shards this one can help write.
+            Outcome::Idle if shard_plan::being_planned(&deps.pool).await? => {
+                tokio::time::sleep(deps.config.poll_interval / 10).await;
+            }
+            Outcome::Idle => return Ok(steps),
         }
     }
-    Ok(steps)
 }
 
 /// A throttled job is given back so the worker can serve another tenant; when the next claim is
@@ -182,7 +206,7 @@ pub async fn run_worker(deps: WorkerDeps, worker_id: String, mut shutdown: watch
         let idle = match run_next_job(&deps, &worker_id, &shutdown).await {
             Ok(Outcome::Ran(step)) => {
                 throttled.after(&step, deps.config.poll_interval).await;
-                if !matches!(step, Step::Yielded | Step::Throttled { .. }) {
+                if !matches!(step, Step::Yielded | Step::Throttled { .. } | Step::Waiting) {
                     tracing::info!(worker = %worker_id, outcome = ?step, "job run ended");
                 }
                 false

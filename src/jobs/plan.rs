@@ -1,16 +1,12 @@
-//! What a claimed job reads (its frozen plan: where rows come from, what the manifest's cursor
-//! is) and how its lease is renewed while a shard is written.
-
-use std::sync::Mutex;
-use std::time::Instant;
+//! What a claimed job reads: its frozen plan (where rows come from, what the manifest's cursor
+//! is), parsed once.
 
 use anyhow::Context;
 use serde_json::Value;
 
 use super::WorkerDeps;
-use super::fenced::{self, Lease, LeaseLost};
 use super::source::Source;
-use crate::exports::{ExportJob, ExportState};
+use crate::exports::ExportJob;
 use crate::feeds::{self, Cursor, CursorOwner, Feed, Seal};
 use crate::records::{AsOf, Snapshot};
 use crate::tenants::{DatasetName, TenantId};
@@ -60,14 +56,19 @@ impl Plan {
         })
     }
 
+    /// The dataset as of the watermark, narrowed by the request's and the principal's filters.
+    pub(super) fn as_of(&self) -> AsOf<'_> {
+        AsOf {
+            tenant: &self.tenant,
+            dataset: &self.dataset,
+            snapshot: &self.watermark,
+            filters: [&self.filter, &self.row_filter],
+        }
+    }
+
     pub(super) fn source(&self) -> Source<'_> {
         match &self.chain {
-            None => Source::Snapshot(AsOf {
-                tenant: &self.tenant,
-                dataset: &self.dataset,
-                snapshot: &self.watermark,
-                filters: [&self.filter, &self.row_filter],
-            }),
+            None => Source::Snapshot(self.as_of()),
             Some(chain) => Source::Changes {
                 feed: self.feed(chain.until_tick),
                 from: &chain.from,
@@ -110,34 +111,5 @@ impl Plan {
                 }
             }
         })
-    }
-}
-
-/// Renews the lease between pages, at most every third of its lifetime.
-pub(super) struct Heartbeat {
-    pub(super) deps: WorkerDeps,
-    pub(super) lease: Lease,
-    pub(super) last: Mutex<Instant>,
-}
-
-impl Heartbeat {
-    pub(super) async fn beat(&self) -> anyhow::Result<Result<ExportState, LeaseLost>> {
-        let state = fenced::heartbeat(&self.deps.pool, self.lease, self.deps.config.lease_ttl).await?;
-        *self.last.lock().expect("not poisoned") = Instant::now();
-        Ok(state)
-    }
-
-    /// How long the lease surely lasts without another beat.
-    pub(super) fn remaining(&self) -> std::time::Duration {
-        self.deps.config.lease_ttl.saturating_sub(self.last.lock().expect("not poisoned").elapsed())
-    }
-
-    /// `true` while the job is still RUNNING under this lease.
-    pub(super) async fn keep_going(&self) -> anyhow::Result<bool> {
-        let due = self.last.lock().expect("not poisoned").elapsed() >= self.deps.config.lease_ttl / 3;
-        if !due {
-            return Ok(true);
-        }
-        Ok(self.beat().await? == Ok(ExportState::Running))
     }
 }

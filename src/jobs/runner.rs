@@ -1,15 +1,16 @@
-//! Running one claimed export, one observable step at a time: verify the shards an earlier
-//! attempt checkpointed, write the remaining shards, publish. Every write is fenced.
-
-use std::sync::Mutex;
-use std::time::Instant;
+//! Running one claimed export as the holder of its lease, one observable step at a time: plan
+//! the shards, verify the shards an earlier attempt checkpointed, write the shards nobody else
+//! is writing, publish. Every write is fenced.
 
 use anyhow::Context;
 
 use super::WorkerDeps;
-use super::fenced::{self, Lease, LeaseLost, Publication, Refused};
-use super::plan::{Heartbeat, Plan};
-use super::shard::{self, ShardJob, ShardStop};
+use super::ending::{self, authorized};
+use super::fenced::{self, Fence, Lease, LeaseLost, Publication, Refused};
+use super::heartbeat::Heartbeat;
+use super::plan::Plan;
+use super::shard_plan::{self, NewShard, PlannedShard};
+use super::shard_task::{ShardTask, Written};
 use crate::exports::{
     self, ExportJob, ExportState, Layout, Manifest, ManifestFile, ManifestShard, ShardRecord, shard_name,
 };
@@ -47,6 +48,9 @@ pub enum Step {
     Throttled {
         wait: std::time::Duration,
     },
+    /// Every shard left is being written by other workers: the job is given back, and becomes
+    /// claimable again when they finish (or vanish).
+    Waiting,
 }
 
 impl Step {
@@ -57,6 +61,7 @@ impl Step {
                 | Step::ShardRewritten { .. }
                 | Step::ShardWritten { .. }
                 | Step::Throttled { .. }
+                | Step::Waiting
         )
     }
 }
@@ -64,6 +69,7 @@ impl Step {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     Start,
+    Plan,
     Verify,
     Write,
     Publish,
@@ -71,6 +77,7 @@ enum Phase {
 
 pub struct ClaimedExport {
     deps: WorkerDeps,
+    worker_id: String,
     job: ExportJob,
     lease: Lease,
     plan: Plan,
@@ -78,10 +85,8 @@ pub struct ClaimedExport {
     /// hand-back: nothing happened to them since).
     to_verify: Vec<ShardRecord>,
     verified: usize,
-    /// Rows checkpointed so far, and the last checkpoint (where the next shard starts): kept
-    /// without reloading every checkpoint, so a shard costs the same however many precede it.
+    /// Rows checkpointed so far (incremental exports check `max_rows_per_export` as they go).
     rows_done: u64,
-    last: Option<ShardRecord>,
     phase: Phase,
     heartbeat: Heartbeat,
 }
@@ -102,27 +107,19 @@ impl ClaimedExport {
         }
         tracing::info!(export = %job.id, tenant = %job.tenant, generation = lease.generation, attempt = job.attempts, "claimed export");
         let plan = Plan::from_job(&job)?;
-        let rows_done = job.rows_done.max(0) as u64;
         // Files of a job given back cleanly between shards need no second look.
-        let (to_verify, last) = if was_yielded {
-            (Vec::new(), exports::last_shard(&deps.pool, job.id).await?)
-        } else {
-            let all = exports::shards(&deps.pool, job.id).await?;
-            let last = all.last().cloned();
-            (all, last)
-        };
-        let heartbeat = Heartbeat { deps: deps.clone(), lease, last: Mutex::new(Instant::now()) };
+        let to_verify = if was_yielded { Vec::new() } else { exports::shards(&deps.pool, job.id).await? };
         Ok(Some(ClaimedExport {
             deps: deps.clone(),
+            worker_id: worker_id.to_owned(),
+            rows_done: job.rows_done.max(0) as u64,
             job,
             lease,
             plan,
             verified: 0,
             to_verify,
-            rows_done,
-            last,
             phase: Phase::Start,
-            heartbeat,
+            heartbeat: Heartbeat::new(deps, Some(lease)),
         }))
     }
 
@@ -145,10 +142,16 @@ impl ClaimedExport {
                         );
                         return self.fail("attempts-exhausted", &detail).await;
                     }
-                    if let Err(reason) = self.authorized() {
+                    if let Err(reason) = authorized(&self.deps, &self.job, &self.plan) {
                         return self.fail("permission-revoked", &reason).await;
                     }
-                    self.phase = Phase::Verify;
+                    self.phase = Phase::Plan;
+                }
+                Phase::Plan => {
+                    if let Some(stop) = self.extend_plan().await? {
+                        return Ok(stop);
+                    }
+                    self.phase = if self.verified < self.to_verify.len() { Phase::Verify } else { Phase::Write };
                 }
                 Phase::Verify => {
                     if let Some(stop) = self.renew().await? {
@@ -160,15 +163,28 @@ impl ClaimedExport {
                     self.phase = Phase::Write;
                 }
                 Phase::Write => {
-                    let last_written = self.last.as_ref().is_some_and(|c| (c.rows as u64) < self.plan.shard_rows);
-                    if last_written {
-                        self.phase = Phase::Publish;
-                        continue;
-                    }
                     if let Some(stop) = self.renew().await? {
                         return Ok(stop);
                     }
-                    return self.write_next_shard().await;
+                    let taken = shard_plan::take(
+                        &self.deps.pool,
+                        self.lease,
+                        None,
+                        &self.worker_id,
+                        self.deps.config.lease_ttl,
+                    )
+                    .await?;
+                    if let Some(shard) = taken {
+                        return self.write_shard(shard).await;
+                    }
+                    let progress = shard_plan::progress(&self.deps.pool, self.job.id).await?;
+                    if progress.all_written() {
+                        self.phase = Phase::Publish;
+                    } else if self.plan.chain.is_some() {
+                        self.phase = Phase::Plan;
+                    } else {
+                        return Ok(Step::Waiting);
+                    }
                 }
                 // No heartbeat here: publish's own conditional update is the check, so a cancel
                 // that lands after the last shard is still seen.
@@ -185,10 +201,9 @@ impl ClaimedExport {
         loop {
             match self.step().await {
                 // The same rows would fail the same way on every attempt: fail now, clearly.
-                Err(e) if is_unencodable(&e) => {
+                Err(e) if ending::is_unencodable(&e) => {
                     tracing::error!(export = %self.job.id, error = format!("{e:#}"), "a record cannot be encoded");
-                    let detail = "a record of the dataset cannot be encoded in the export's format; fix or delete it and create the export again";
-                    return self.fail("unencodable-record", detail).await;
+                    return self.fail("unencodable-record", ending::UNENCODABLE).await;
                 }
                 Err(e) if crate::db::is_transient_chain(&e) => {
                     let delay = delays.next().unwrap_or(self.deps.config.lease_ttl);
@@ -199,6 +214,9 @@ impl ClaimedExport {
                     metrics::counter!("exportd_transient_retries_total", "where" => "worker").increment(1);
                     tracing::warn!(export = %self.job.id, error = format!("{e:#}"), retry_in_ms = delay.as_millis() as u64, "transient database or storage error; retrying the step");
                     tokio::time::sleep(delay).await;
+                    // The shard being written starts over; if it cannot be given back now, its
+                    // lease expiring frees it.
+                    let _ = self.release_shard().await;
                 }
                 other => return other,
             }
@@ -207,6 +225,7 @@ impl ClaimedExport {
 
     /// Gives the job back so another worker can continue at once (shutdown, or yielding).
     pub async fn release(self) -> anyhow::Result<()> {
+        self.release_shard().await?;
         fenced::release(&self.deps.pool, self.lease).await?;
         tracing::info!(export = %self.job.id, "released export lease");
         Ok(())
@@ -216,8 +235,18 @@ impl ClaimedExport {
     /// claimable at once instead of after the lease expires; the next claim verifies the
     /// checkpoints again and counts an attempt, unless the run was `interrupted` by an outage.
     pub async fn give_back(self, interrupted: bool) -> anyhow::Result<()> {
+        self.release_shard().await?;
         fenced::give_back(&self.deps.pool, self.lease, interrupted).await?;
         tracing::info!(export = %self.job.id, "gave the export back after an error");
+        Ok(())
+    }
+
+    /// The shard this run was writing when it stopped, if any, goes back to be taken at once.
+    async fn release_shard(&self) -> anyhow::Result<()> {
+        if let Some(shard) = self.heartbeat.shard() {
+            shard_plan::release(&self.deps.pool, shard).await?;
+            self.heartbeat.writing(None);
+        }
         Ok(())
     }
 
@@ -230,44 +259,78 @@ impl ClaimedExport {
         }
     }
 
-    /// The principal must still exist, be enabled, be granted the dataset, and have the row
-    /// filter frozen into the job.
-    fn authorized(&self) -> Result<(), String> {
-        let tenant = self.deps.registry.get(&self.job.tenant).ok_or("the tenant is no longer configured")?;
-        let principal = tenant.principal(&self.job.principal).ok_or("the principal no longer exists")?;
-        if principal.disabled {
-            return Err("the principal is disabled".into());
+    /// Plans the shards not planned yet. A full export plans them all, counting each shard's
+    /// rows under the snapshot (helpers start writing the first ones meanwhile); an incremental
+    /// export plans its next shard where the last one ended, once every planned one is written.
+    async fn extend_plan(&mut self) -> anyhow::Result<Option<Step>> {
+        let progress = shard_plan::progress(&self.deps.pool, self.job.id).await?;
+        if progress.plan_complete {
+            return Ok(None);
         }
-        if tenant.dataset(&self.job.dataset).is_none() || !principal.is_granted(&self.plan.dataset) {
-            return Err("the dataset is no longer granted to the principal".into());
+        if self.plan.chain.is_some() {
+            if progress.planned_shards > progress.shards_done {
+                return Ok(None);
+            }
+            let last = exports::last_shard(&self.deps.pool, self.job.id).await?;
+            let complete = last.as_ref().is_some_and(|c| (c.rows as u64) < self.plan.shard_rows);
+            let next = NewShard {
+                index: last.as_ref().map_or(0, |c| c.shard_index + 1),
+                after_key: last.as_ref().and_then(|c| c.last_key.as_deref()),
+                last_key: None,
+                rows: None,
+            };
+            let shard = (!complete).then_some(&next);
+            return match shard_plan::extend(&self.deps.pool, self.lease, shard, complete).await? {
+                Ok(()) => Ok(None),
+                Err(LeaseLost) => Ok(Some(self.after_refused_write().await?)),
+            };
         }
-        if principal.row_filter_json() != self.plan.row_filter {
-            return Err("the principal's row filter changed".into());
-        }
-        Ok(())
-    }
-
-    fn object_key(&self, index: u32) -> ObjectKey {
-        let name = shard_name(index, self.plan.format.extension());
-        ObjectKey::parse(&format!("{}/{}/g{}/{name}", self.job.tenant, self.job.id, self.lease.generation))
-            .expect("built from validated parts")
-    }
-
-    fn shard_job(&self, index: u32, after: Option<String>, rows_allowed: u64) -> ShardJob<'_> {
-        ShardJob {
-            store: &self.deps.store,
-            source: self.plan.source(),
-            format: self.plan.format,
-            columns: &self.plan.columns,
-            after,
-            shard_rows: self.plan.shard_rows,
-            page_rows: u64::from(self.deps.config.page_rows),
-            rows_allowed,
-            is_first: index == 0,
-            object_key: self.object_key(index),
-            scan: &self.deps.scan,
-            tenant: &self.job.tenant,
-            may_defer: false,
+        let (mut last, mut planned_rows) = shard_plan::last_planned(&self.deps.pool, self.job.id).await?;
+        let max_rows = self.deps.registry.get(&self.job.tenant).map_or(0, |t| t.quota.max_rows_per_export);
+        loop {
+            if let Some(stop) = self.renew().await? {
+                return Ok(Some(stop));
+            }
+            let index = last.as_ref().map_or(0, |l| l.shard_index + 1);
+            let after = last.as_ref().and_then(|l| l.last_key.clone());
+            let full_before = last.as_ref().is_none_or(|l| l.rows.unwrap_or(0) as u64 >= self.plan.shard_rows);
+            let (rows, last_key) = if full_before {
+                self.plan.as_of().span(&self.deps.pool, after.as_deref(), self.plan.shard_rows as i64).await?
+            } else {
+                (0, None)
+            };
+            let complete = (rows as u64) < self.plan.shard_rows;
+            let next = NewShard { index, after_key: after.as_deref(), last_key: last_key.as_deref(), rows: Some(rows) };
+            // Shard 0 exists even when empty (the header); an empty shard after it does not.
+            let shard = (index == 0 || rows > 0).then_some(&next);
+            if shard.is_some() {
+                let max_shards = self.deps.config.max_shards;
+                if index as u32 >= max_shards {
+                    let detail = format!(
+                        "the export would have more than {max_shards} shards; create it again with a larger shard_rows"
+                    );
+                    return Ok(Some(self.fail("too-many-shards", &detail).await?));
+                }
+                planned_rows += rows as u64;
+                if planned_rows > max_rows {
+                    let detail = format!("the export has more than {max_rows} rows, the tenant's max_rows_per_export");
+                    return Ok(Some(self.fail("too-many-rows", &detail).await?));
+                }
+            }
+            if let Err(LeaseLost) = shard_plan::extend(&self.deps.pool, self.lease, shard, complete).await? {
+                return Ok(Some(self.after_refused_write().await?));
+            }
+            if complete {
+                return Ok(None);
+            }
+            last = Some(PlannedShard {
+                shard_index: index,
+                after_key: after,
+                last_key,
+                rows: Some(rows),
+                writer_attempt: 0,
+                takeovers: 0,
+            });
         }
     }
 
@@ -280,104 +343,102 @@ impl ClaimedExport {
             return Ok(Step::ShardVerified { index: index as u32 });
         }
         tracing::warn!(export = %self.job.id, shard = index, "checkpointed shard file is missing or corrupt; rewriting it");
-        let after = index.checked_sub(1).and_then(|i| self.to_verify[i].last_key.clone());
-        let written = shard::write_shard(&self.deps.pool, self.shard_job(index as u32, after, u64::MAX), || {
-            self.heartbeat.keep_going()
-        })
+        let shard_index = checkpoint.shard_index;
+        let taken = shard_plan::take(
+            &self.deps.pool,
+            self.lease,
+            Some(shard_index),
+            &self.worker_id,
+            self.deps.config.lease_ttl,
+        )
         .await?;
-        let written = match written {
-            Ok(written) => written,
-            Err(ShardStop::Interrupted) => return self.after_refused_write().await,
-            Err(_) => {
-                return self.fail("non-deterministic-output", &format!("shard {index} has no rows on rerun")).await;
-            }
+        let Some(shard) = taken else {
+            return self.after_refused_write().await;
         };
-        let same = written.digest.sha256 == checkpoint.sha256
-            && written.digest.rows as i64 == checkpoint.rows
-            && written.first_key == checkpoint.first_key
-            && written.last_key == checkpoint.last_key;
-        if !same {
-            self.deps.store.delete(&written.object_key).await?;
-            let detail = format!("shard {index} came out different on rerun");
-            return self.fail("non-deterministic-output", &detail).await;
+        let task = ShardTask { expect: Some(&checkpoint), may_defer: false, ..self.task(shard) };
+        self.heartbeat.writing(Some(task.lease()));
+        let written = task.run(&self.heartbeat).await?;
+        match written {
+            Written::Recorded { checkpoint: rewritten, .. } => {
+                self.heartbeat.writing(None);
+                if checkpoint.object_key != rewritten.object_key {
+                    self.deps.store.delete(&key).await?;
+                }
+                self.to_verify[index] = rewritten;
+                self.verified += 1;
+                Ok(Step::ShardRewritten { index: index as u32 })
+            }
+            other => self.not_written(shard_index, other).await,
         }
-        let rewritten = ShardRecord { object_key: written.object_key.as_str().to_owned(), ..checkpoint.clone() };
-        if let Err(refused) = self.record(&rewritten).await? {
-            self.deps.store.delete(&written.object_key).await?;
-            return self.refused(refused).await;
-        }
-        if checkpoint.object_key != rewritten.object_key {
-            self.deps.store.delete(&ObjectKey::parse(&checkpoint.object_key).map_err(anyhow::Error::msg)?).await?;
-        }
-        if self.last.as_ref().is_some_and(|l| l.shard_index == rewritten.shard_index) {
-            self.last = Some(rewritten.clone());
-        }
-        self.to_verify[index] = rewritten;
-        self.verified += 1;
-        Ok(Step::ShardRewritten { index: index as u32 })
     }
 
-    async fn write_next_shard(&mut self) -> anyhow::Result<Step> {
-        let index = self.last.as_ref().map_or(0, |c| c.shard_index as u32 + 1);
-        let max_shards = self.deps.config.max_shards;
-        if index >= max_shards {
-            let detail = format!(
-                "the export would have more than {max_shards} shards; create it again with a larger shard_rows"
-            );
-            return self.fail("too-many-shards", &detail).await;
+    fn task(&self, shard: PlannedShard) -> ShardTask<'_> {
+        ShardTask::new(&self.deps, &self.worker_id, &self.job, &self.plan, shard)
+    }
+
+    async fn write_shard(&mut self, shard: PlannedShard) -> anyhow::Result<Step> {
+        if shard.takeovers > self.deps.config.max_attempts {
+            let detail =
+                format!("gave up after the writers of shard {} vanished {} times", shard.shard_index, shard.takeovers);
+            return self.fail("attempts-exhausted", &detail).await;
         }
-        let after = self.last.as_ref().and_then(|c| c.last_key.clone());
-        let rows_before = self.rows_done;
         let max_rows = self.deps.registry.get(&self.job.tenant).map_or(0, |t| t.quota.max_rows_per_export);
-        let allowed = max_rows.saturating_sub(rows_before);
+        let index = shard.shard_index;
+        let planned_rows = shard.rows;
         // A new shard may wait for the tenant's scan budget elsewhere (Throttled); a rewrite may not.
-        let job = ShardJob { may_defer: true, ..self.shard_job(index, after, allowed) };
-        let written = shard::write_shard(&self.deps.pool, job, || self.heartbeat.keep_going()).await?;
-        let written = match written {
-            Ok(written) => written,
-            Err(ShardStop::NoRows) => {
+        let task = ShardTask { rows_allowed: max_rows.saturating_sub(self.rows_done), ..self.task(shard) };
+        self.heartbeat.writing(Some(task.lease()));
+        match task.run(&self.heartbeat).await? {
+            Written::Recorded { checkpoint, progress } => {
+                self.heartbeat.writing(None);
+                let rows = checkpoint.rows as u64;
+                self.rows_done += rows;
+                // An incremental export's shard that is not full is its last.
+                let last = progress.all_written() || (planned_rows.is_none() && rows < self.plan.shard_rows);
+                if last {
+                    self.phase = if self.plan.chain.is_some() { Phase::Plan } else { Phase::Publish };
+                }
+                Ok(Step::ShardWritten { index: index as u32, rows, last })
+            }
+            Written::Empty => {
+                self.heartbeat.writing(None);
+                if let Err(LeaseLost) = shard_plan::drop_empty(&self.deps.pool, self.lease, index).await? {
+                    return self.after_refused_write().await;
+                }
                 self.phase = Phase::Publish;
-                return self.publish().await;
+                self.publish().await
             }
-            Err(ShardStop::TooManyRows) => {
+            other => self.not_written(index, other).await,
+        }
+    }
+
+    /// A shard that was not recorded: why, as a step.
+    async fn not_written(&mut self, index: i32, written: Written) -> anyhow::Result<Step> {
+        match written {
+            Written::Recorded { .. } | Written::Empty => unreachable!("handled by the caller"),
+            Written::Stopped => {
+                self.release_shard().await?;
+                self.after_refused_write().await
+            }
+            Written::Throttled(wait) => {
+                self.release_shard().await?;
+                Ok(Step::Throttled { wait })
+            }
+            Written::TooManyRows => {
+                let max_rows = self.deps.registry.get(&self.job.tenant).map_or(0, |t| t.quota.max_rows_per_export);
                 let detail = format!("the export has more than {max_rows} rows, the tenant's max_rows_per_export");
-                return self.fail("too-many-rows", &detail).await;
+                self.fail("too-many-rows", &detail).await
             }
-            Err(ShardStop::Interrupted) => return self.after_refused_write().await,
-            Err(ShardStop::Throttled(wait)) => return Ok(Step::Throttled { wait }),
-        };
-        let digest = &written.digest;
-        let checkpoint = ShardRecord {
-            shard_index: index as i32,
-            first_key: written.first_key,
-            last_key: written.last_key,
-            rows: digest.rows as i64,
-            bytes: digest.bytes as i64,
-            sha256: digest.sha256.clone(),
-            object_key: written.object_key.as_str().to_owned(),
-            head_bytes: digest.head.compressed_len as i64,
-            head_crc32: i64::from(digest.head.crc32),
-            head_raw_bytes: digest.head.raw_len as i64,
-            body_bytes: digest.body.compressed_len as i64,
-            body_crc32: i64::from(digest.body.crc32),
-            body_raw_bytes: digest.body.raw_len as i64,
-        };
-        if let Err(refused) = self.record(&checkpoint).await? {
-            self.deps.store.delete(&written.object_key).await?;
-            return self.refused(refused).await;
+            Written::Mismatch(detail) => {
+                tracing::error!(export = %self.job.id, shard = index, "a shard came out different from its plan or checkpoint");
+                self.fail("non-deterministic-output", &detail).await
+            }
+            Written::Refused(refused) => self.refused(refused).await,
         }
-        let rows = checkpoint.rows as u64;
-        let last = rows < self.plan.shard_rows;
-        self.rows_done += rows;
-        self.last = Some(checkpoint);
-        if last {
-            self.phase = Phase::Publish;
-        }
-        Ok(Step::ShardWritten { index, rows, last })
     }
 
     async fn publish(&mut self) -> anyhow::Result<Step> {
-        if let Err(reason) = self.authorized() {
+        if let Err(reason) = authorized(&self.deps, &self.job, &self.plan) {
             return self.fail("permission-revoked", &reason).await;
         }
         let checkpoints = exports::shards(&self.deps.pool, self.job.id).await?;
@@ -454,21 +515,10 @@ impl ClaimedExport {
         }
     }
 
-    async fn record(&self, shard: &ShardRecord) -> anyhow::Result<Result<(), Refused>> {
-        let limit = self.deps.registry.get(&self.job.tenant).map_or(0, |t| t.quota.storage_bytes);
-        Ok(fenced::record_shard(&self.deps.pool, self.lease, &self.job.tenant, limit, shard).await?)
-    }
-
     async fn refused(&mut self, refused: Refused) -> anyhow::Result<Step> {
-        match refused {
-            Refused::LeaseLost => self.after_refused_write().await,
-            Refused::StorageQuota { stored, limit } => {
-                metrics::counter!("exportd_quota_rejections_total", "kind" => "storage").increment(1);
-                let detail = format!(
-                    "the tenant's stored export files would reach {stored} bytes (quota storage_bytes = {limit})"
-                );
-                self.fail("storage-quota-exceeded", &detail).await
-            }
+        match ending::refusal(refused) {
+            None => self.after_refused_write().await,
+            Some((code, detail)) => self.fail(code, &detail).await,
         }
     }
 
@@ -490,11 +540,11 @@ impl ClaimedExport {
     }
 
     async fn finish_cancel(&mut self) -> anyhow::Result<Step> {
-        match fenced::finish(&self.deps.pool, self.lease, ExportState::CancelRequested, ExportState::Cancelled, None)
-            .await?
+        let fence = Fence::Job(self.lease);
+        match fenced::finish(&self.deps.pool, fence, ExportState::CancelRequested, ExportState::Cancelled, None).await?
         {
             Ok(()) => {
-                self.delete_files("cancelled").await?;
+                ending::delete_files(&self.deps, &self.job, "cancelled").await?;
                 tracing::info!(export = %self.job.id, "cancelled export");
                 Ok(Step::Cancelled)
             }
@@ -503,43 +553,9 @@ impl ClaimedExport {
     }
 
     async fn fail(&mut self, code: &str, detail: &str) -> anyhow::Result<Step> {
-        match fenced::finish(
-            &self.deps.pool,
-            self.lease,
-            ExportState::Running,
-            ExportState::Failed,
-            Some((code, detail)),
-        )
-        .await?
-        {
-            Ok(()) => {
-                self.delete_files("failed").await?;
-                tracing::warn!(export = %self.job.id, code, "export failed");
-                Ok(Step::Failed { code: code.to_owned() })
-            }
+        match ending::fail(&self.deps, &self.job, Fence::Job(self.lease), code, detail).await? {
+            Ok(()) => Ok(Step::Failed { code: code.to_owned() }),
             Err(LeaseLost) => self.after_refused_write().await,
         }
     }
-
-    /// Only after the job's terminal state is committed under our lease: no newer attempt exists.
-    async fn delete_files(&self, reason: &str) -> anyhow::Result<()> {
-        crate::storage::lifecycle::delete_export_files(
-            &self.deps.pool,
-            &self.deps.store,
-            &self.job.tenant,
-            self.job.id,
-            reason,
-        )
-        .await
-        .context("deleting export files")?;
-        Ok(())
-    }
-}
-
-/// A record's stored JSON that the shard encoder refuses (serde_json reports it as
-/// `InvalidData`), as opposed to a failing disk or connection.
-fn is_unencodable(error: &anyhow::Error) -> bool {
-    error.chain().any(|cause| {
-        cause.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::InvalidData)
-    })
 }

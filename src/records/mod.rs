@@ -8,7 +8,9 @@ pub use seed::{SeedReport, seed};
 pub use snapshot::Snapshot;
 
 use serde_json::{Map, Value};
-use sqlx::{PgExecutor, PgPool};
+use sqlx::postgres::PgArguments;
+use sqlx::query::QueryAs;
+use sqlx::{PgExecutor, PgPool, Postgres};
 
 use crate::tenants::{DatasetName, TenantId};
 
@@ -159,24 +161,10 @@ impl<'a> AsOf<'a> {
         max_bytes: usize,
     ) -> sqlx::Result<(Vec<Record>, bool)> {
         use futures_util::TryStreamExt;
-        let mut stream = sqlx::query_as::<_, Record>(
-            "SELECT v.key, v.data::text AS data FROM record_versions v
-             WHERE v.tenant = $1 AND v.dataset = $2 AND v.key > $4
-               AND exportd_live_at(v.created_xid, v.closed_xid, $3::pg_snapshot)
-               AND v.data IS NOT NULL
-               AND ($6::jsonb IS NULL OR v.data @> $6)
-               AND ($7::jsonb IS NULL OR v.data @> $7)
-             ORDER BY v.key
-             LIMIT $5",
-        )
-        .bind(self.tenant.as_str())
-        .bind(self.dataset.as_str())
-        .bind(self.snapshot.as_str())
-        .bind(after.unwrap_or(""))
-        .bind(limit)
-        .bind(non_null(self.filters[0]))
-        .bind(non_null(self.filters[1]))
-        .fetch(executor);
+        let query = sqlx::query_as::<_, Record>(sqlx::AssertSqlSafe(format!(
+            "SELECT v.key, v.data::text AS data FROM record_versions v WHERE {AS_OF_AFTER} ORDER BY v.key LIMIT $5"
+        )));
+        let mut stream = self.bind_as_of(query, after, limit).fetch(executor);
         let (mut rows, mut bytes) = (Vec::new(), 0usize);
         while let Some(record) = stream.try_next().await? {
             bytes += record.key.len() + record.data.len();
@@ -188,7 +176,43 @@ impl<'a> AsOf<'a> {
         let ended = (rows.len() as i64) < limit;
         Ok((rows, ended))
     }
+
+    /// How many records follow key `after` (at most `limit`), and the last of their keys: where
+    /// a shard of `limit` rows starting after `after` ends. Reads no record data beyond the
+    /// filters, so planning an export's shards costs a fraction of writing them.
+    pub async fn span(&self, pool: &PgPool, after: Option<&str>, limit: i64) -> sqlx::Result<(i64, Option<String>)> {
+        let query = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*), max(s.key) FROM (
+                 SELECT v.key FROM record_versions v WHERE {AS_OF_AFTER} ORDER BY v.key LIMIT $5) s"
+        )));
+        self.bind_as_of(query, after, limit).fetch_one(pool).await
+    }
+
+    /// Binds the parameters of [`AS_OF_AFTER`] (`$5` is the caller's `LIMIT`).
+    fn bind_as_of<'q, O>(
+        &'q self,
+        query: QueryAs<'q, Postgres, O, PgArguments>,
+        after: Option<&'q str>,
+        limit: i64,
+    ) -> QueryAs<'q, Postgres, O, PgArguments> {
+        query
+            .bind(self.tenant.as_str())
+            .bind(self.dataset.as_str())
+            .bind(self.snapshot.as_str())
+            .bind(after.unwrap_or(""))
+            .bind(limit)
+            .bind(non_null(self.filters[0]))
+            .bind(non_null(self.filters[1]))
+    }
 }
+
+/// The records of tenant `$1`, dataset `$2` as of snapshot `$3`, after key `$4`, containing
+/// the filters `$6` and `$7` (each may be NULL).
+const AS_OF_AFTER: &str = "v.tenant = $1 AND v.dataset = $2 AND v.key > $4
+    AND exportd_live_at(v.created_xid, v.closed_xid, $3::pg_snapshot)
+    AND v.data IS NOT NULL
+    AND ($6::jsonb IS NULL OR v.data @> $6)
+    AND ($7::jsonb IS NULL OR v.data @> $7)";
 
 fn non_null(filter: &Value) -> Option<&Value> {
     match filter {

@@ -38,18 +38,18 @@ pub async fn delete_export_files(
 }
 
 /// Files no job references: exports that do not exist, and files of older attempts that no
-/// checkpoint points at. Files of the current attempt of a running job are never touched.
+/// checkpoint points at. A running job's files of each shard's current attempt (directory
+/// `s{index}-a{attempt}`, see the worker) are never touched.
 pub async fn sweep_orphans(pool: &PgPool, store: &ArtifactStore) -> anyhow::Result<Vec<Reclaimed>> {
     let mut reclaimed = Vec::new();
     for ((tenant, export_dir), objects) in by_export(store.list(None).await.context("listing stored files")?) {
         let Ok(export_id) = Uuid::parse_str(&export_dir) else { continue };
-        let job: Option<(String, i64)> =
-            sqlx::query_as("SELECT state, lease_generation FROM export_jobs WHERE id = $1 AND tenant = $2")
-                .bind(export_id)
-                .bind(&tenant)
-                .fetch_optional(pool)
-                .await?;
-        let Some((state, generation)) = job else {
+        let state: Option<String> = sqlx::query_scalar("SELECT state FROM export_jobs WHERE id = $1 AND tenant = $2")
+            .bind(export_id)
+            .bind(&tenant)
+            .fetch_optional(pool)
+            .await?;
+        let Some(state) = state else {
             let (files, bytes) = delete_export_files(pool, store, &tenant, export_id, "orphan").await?;
             reclaimed.push(("orphan".into(), files, bytes));
             continue;
@@ -61,12 +61,23 @@ pub async fn sweep_orphans(pool: &PgPool, store: &ArtifactStore) -> anyhow::Resu
                 .await?
                 .into_iter()
                 .collect();
-        let running = matches!(state.as_str(), "QUEUED" | "RUNNING" | "CANCEL_REQUESTED");
-        let current_generation = format!("g{generation}");
+        // A running job's shards being written now: each planned shard's current attempt.
+        let writing: HashSet<String> = if matches!(state.as_str(), "QUEUED" | "RUNNING" | "CANCEL_REQUESTED") {
+            sqlx::query_scalar::<_, String>(
+                "SELECT 's' || shard_index || '-a' || writer_attempt FROM export_shard_plan WHERE export_id = $1",
+            )
+            .bind(export_id)
+            .fetch_all(pool)
+            .await?
+            .into_iter()
+            .collect()
+        } else {
+            HashSet::new()
+        };
         let (mut files, mut bytes) = (0, 0);
         for object in objects {
-            let generation_dir = object.key.segments().nth(2).unwrap_or_default();
-            let in_use = referenced.contains(object.key.as_str()) || (running && generation_dir == current_generation);
+            let attempt_dir = object.key.segments().nth(2).unwrap_or_default();
+            let in_use = referenced.contains(object.key.as_str()) || writing.contains(attempt_dir);
             if !in_use {
                 bytes += store.delete(&object.key).await?;
                 files += 1;

@@ -317,13 +317,21 @@ pub fn full_csv(shard_rows: u32) -> Value {
     serde_json::json!({"dataset": "tickets", "format": "csv", "shard_rows": shard_rows})
 }
 
-/// Ends the job's lease now, as if its worker had stalled past it.
+/// Ends the job's lease, and its shard writers' leases, now, as if its workers had stalled past them.
 pub async fn expire_lease(pool: &PgPool, id: &str) {
     sqlx::query("UPDATE export_jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1::uuid")
         .bind(id)
         .execute(pool)
         .await
         .unwrap();
+    sqlx::query(
+        "UPDATE export_shard_plan SET writer_expires_at = now() - interval '1 second'
+         WHERE export_id = $1::uuid AND writer_expires_at IS NOT NULL",
+    )
+    .bind(id)
+    .execute(pool)
+    .await
+    .unwrap();
 }
 
 /// The body of a problem+json response, after checking its content type.

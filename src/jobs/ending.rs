@@ -1,0 +1,76 @@
+//! How a worker ends an export, under the job's lease or under one of its shard writers'
+//! leases: the checks that end it, failing it, and deleting its files once that is committed.
+
+use anyhow::Context;
+
+use super::WorkerDeps;
+use super::fenced::{self, Fence, LeaseLost, Refused};
+use super::plan::Plan;
+use crate::exports::{ExportJob, ExportState};
+
+/// `failed` detail for a record the export's format cannot encode.
+pub(super) const UNENCODABLE: &str =
+    "a record of the dataset cannot be encoded in the export's format; fix or delete it and create the export again";
+
+/// The principal must still exist, be enabled, be granted the dataset, and have the row filter
+/// frozen into the job.
+pub(super) fn authorized(deps: &WorkerDeps, job: &ExportJob, plan: &Plan) -> Result<(), String> {
+    let tenant = deps.registry.get(&job.tenant).ok_or("the tenant is no longer configured")?;
+    let principal = tenant.principal(&job.principal).ok_or("the principal no longer exists")?;
+    if principal.disabled {
+        return Err("the principal is disabled".into());
+    }
+    if tenant.dataset(&job.dataset).is_none() || !principal.is_granted(&plan.dataset) {
+        return Err("the dataset is no longer granted to the principal".into());
+    }
+    if principal.row_filter_json() != plan.row_filter {
+        return Err("the principal's row filter changed".into());
+    }
+    Ok(())
+}
+
+/// The failure a refused checkpoint means (`None`: the lease was lost, nothing to fail).
+pub(super) fn refusal(refused: Refused) -> Option<(&'static str, String)> {
+    match refused {
+        Refused::LeaseLost => None,
+        Refused::StorageQuota { stored, limit } => {
+            metrics::counter!("exportd_quota_rejections_total", "kind" => "storage").increment(1);
+            let detail =
+                format!("the tenant's stored export files would reach {stored} bytes (quota storage_bytes = {limit})");
+            Some(("storage-quota-exceeded", detail))
+        }
+    }
+}
+
+/// RUNNING → FAILED under `fence`, then the export's files are deleted.
+pub(super) async fn fail(
+    deps: &WorkerDeps,
+    job: &ExportJob,
+    fence: Fence,
+    code: &str,
+    detail: &str,
+) -> anyhow::Result<Result<(), LeaseLost>> {
+    let failed =
+        fenced::finish(&deps.pool, fence, ExportState::Running, ExportState::Failed, Some((code, detail))).await?;
+    if failed.is_ok() {
+        delete_files(deps, job, "failed").await?;
+        tracing::warn!(export = %job.id, code, "export failed");
+    }
+    Ok(failed)
+}
+
+/// Only after the job's terminal state is committed under our lease: no newer attempt exists.
+pub(super) async fn delete_files(deps: &WorkerDeps, job: &ExportJob, reason: &str) -> anyhow::Result<()> {
+    crate::storage::lifecycle::delete_export_files(&deps.pool, &deps.store, &job.tenant, job.id, reason)
+        .await
+        .context("deleting export files")?;
+    Ok(())
+}
+
+/// A record's stored JSON that the shard encoder refuses (serde_json reports it as
+/// `InvalidData`), as opposed to a failing disk or connection.
+pub(super) fn is_unencodable(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::InvalidData)
+    })
+}

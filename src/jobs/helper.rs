@@ -1,0 +1,78 @@
+//! Helping: a worker with no job of its own writes a free planned shard of a running full
+//! export, so one export's shards run on every free worker slot, in any process. The helper
+//! holds only that shard's lease; the job's lease holder plans, verifies and publishes.
+
+use super::WorkerDeps;
+use super::ending::{self, authorized};
+use super::fenced::{Fence, LeaseLost};
+use super::heartbeat::Heartbeat;
+use super::plan::Plan;
+use super::runner::Step;
+use super::shard_plan::{self, ShardLease};
+use super::shard_task::{ShardTask, Written};
+
+/// Takes a free planned shard, if any, and writes it. `None`: nothing to help with.
+pub async fn help(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Option<Step>> {
+    let Some((job, shard)) = shard_plan::claim_any(&deps.pool, worker_id, deps.config.lease_ttl).await? else {
+        return Ok(None);
+    };
+    let lease = shard.lease(job.id);
+    let index = shard.shard_index;
+    tracing::debug!(export = %job.id, shard = index, attempt = lease.attempt, "helping with a shard");
+    let fail = async |code: &str, detail: &str| -> anyhow::Result<Step> {
+        Ok(match ending::fail(deps, &job, Fence::Shard(lease), code, detail).await? {
+            Ok(()) => Step::Failed { code: code.to_owned() },
+            Err(LeaseLost) => Step::LeaseLost,
+        })
+    };
+    let plan = Plan::from_job(&job)?;
+    if shard.takeovers > deps.config.max_attempts {
+        let detail = format!("gave up after the writers of shard {index} vanished {} times", shard.takeovers);
+        return fail("attempts-exhausted", &detail).await.map(Some);
+    }
+    if let Err(reason) = authorized(deps, &job, &plan) {
+        return fail("permission-revoked", &reason).await.map(Some);
+    }
+    let heartbeat = Heartbeat::new(deps, None);
+    heartbeat.writing(Some(lease));
+    let task = ShardTask::new(deps, worker_id, &job, &plan, shard);
+    let written = match task.run(&heartbeat).await {
+        Ok(written) => written,
+        Err(e) if ending::is_unencodable(&e) => {
+            tracing::error!(export = %job.id, error = format!("{e:#}"), "a record cannot be encoded");
+            return fail("unencodable-record", ending::UNENCODABLE).await.map(Some);
+        }
+        Err(e) => {
+            give_back(deps, lease).await;
+            return Err(e);
+        }
+    };
+    let step = match written {
+        Written::Recorded { checkpoint, progress } => {
+            Step::ShardWritten { index: index as u32, rows: checkpoint.rows as u64, last: progress.all_written() }
+        }
+        Written::Stopped => {
+            give_back(deps, lease).await;
+            Step::LeaseLost
+        }
+        Written::Throttled(wait) => {
+            give_back(deps, lease).await;
+            Step::Throttled { wait }
+        }
+        Written::Mismatch(detail) => fail("non-deterministic-output", &detail).await?,
+        Written::Refused(refused) => match ending::refusal(refused) {
+            None => Step::LeaseLost,
+            Some((code, detail)) => fail(code, &detail).await?,
+        },
+        // A full export's planned shard has its rows counted; neither happens.
+        Written::Empty | Written::TooManyRows => fail("non-deterministic-output", "a planned shard changed").await?,
+    };
+    Ok(Some(step))
+}
+
+/// The shard goes back to be taken at once; if even that fails, its lease expiring is the fallback.
+async fn give_back(deps: &WorkerDeps, lease: ShardLease) {
+    if let Err(e) = shard_plan::release(&deps.pool, lease).await {
+        tracing::warn!(error = format!("{e:#}"), "could not give a shard back; its lease will expire");
+    }
+}
