@@ -9,34 +9,34 @@ use crate::storage::StorageLocation;
 #[derive(Debug, Clone, Args)]
 pub struct Settings {
     /// PostgreSQL connection URL; the database is created if it does not exist.
-    #[arg(long, env = "DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/exportd", global = true)]
+    #[arg(long, env = "DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/exportd")]
     pub database_url: String,
 
     /// Directory of tenant files (`<id>.toml`) and dataset schemas (`datasets/<name>.toml`).
-    #[arg(long, env = "EXPORTD_TENANTS_DIR", default_value = "./tenants", global = true)]
+    #[arg(long, env = "EXPORTD_TENANTS_DIR", default_value = "./tenants")]
     pub tenants_dir: PathBuf,
 
     /// Directory for export artifacts (unless EXPORTD_STORAGE says otherwise) and other local state.
-    #[arg(long, env = "EXPORTD_DATA_DIR", default_value = "./data", global = true)]
+    #[arg(long, env = "EXPORTD_DATA_DIR", default_value = "./data")]
     pub data_dir: PathBuf,
 
     /// Where export files are stored: unset = EXPORTD_DATA_DIR, `file:///dir`, or
     /// `s3://bucket[/prefix]` (S3-compatible object storage; every process of a cluster must use
     /// the same). For S3: EXPORTD_S3_ENDPOINT (e.g. http://minio:9000; unset = AWS),
     /// AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_REGION (default us-east-1).
-    #[arg(long, env = "EXPORTD_STORAGE", global = true)]
+    #[arg(long, env = "EXPORTD_STORAGE")]
     pub storage: Option<String>,
 
     /// Server keys `kid=secret[,kid=secret…]` that sign download links and feed cursors (the first
     /// signs, all verify). Give every process the same keys; keep old keys listed while cursors
     /// signed with them may still be in use.
-    #[arg(long, env = "EXPORTD_LINK_KEYS", hide_env_values = true, global = true)]
+    #[arg(long, env = "EXPORTD_LINK_KEYS", hide_env_values = true)]
     pub link_keys: Option<String>,
 
     /// Export job lease (`serve` and `worker`): a worker that stops renewing it (killed, cut
     /// off) loses the job to another worker after this long. Shorter means faster takeover and
     /// more heartbeats (one every third of it). At least 1s.
-    #[arg(long, env = "EXPORTD_LEASE_TTL", default_value = "30s", value_parser = humantime::parse_duration, global = true)]
+    #[arg(long, env = "EXPORTD_LEASE_TTL", default_value = "30s", value_parser = humantime::parse_duration)]
     pub lease_ttl: std::time::Duration,
 }
 

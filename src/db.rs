@@ -12,20 +12,78 @@ use crate::tenants::Registry;
 /// Statements slower than this are logged (their SQL text only, never bound values).
 const SLOW_STATEMENT: Duration = Duration::from_secs(10);
 
+/// Parses DATABASE_URL, refusing anything but a PostgreSQL URL (a `mysql://` URL would otherwise
+/// be read as PostgreSQL's and fail later, or reach a default server).
+pub fn parse_url(database_url: &str) -> anyhow::Result<PgConnectOptions> {
+    let scheme = database_url.split_once("://").map(|(scheme, _)| scheme.to_ascii_lowercase());
+    match scheme.as_deref() {
+        Some("postgres" | "postgresql") => {}
+        // Only a short, plain scheme is repeated back: the rest of the URL may hold a password.
+        Some(other) if other.len() <= 16 && other.chars().all(|c| c.is_ascii_alphanumeric() || c == '+') => {
+            anyhow::bail!(
+                "DATABASE_URL must be a postgres:// URL (postgres://user@host:5432/database), not {other}://…"
+            )
+        }
+        _ => anyhow::bail!("DATABASE_URL must be a postgres:// URL, like postgres://user@host:5432/database"),
+    }
+    PgConnectOptions::from_str(database_url).context("DATABASE_URL is not a valid PostgreSQL URL")
+}
+
+/// Where a URL points, for messages: host, port, database and user — never the password.
+pub fn describe(options: &PgConnectOptions) -> String {
+    format!(
+        "PostgreSQL at {}:{} (database `{}`, user `{}`)",
+        options.get_host(),
+        options.get_port(),
+        options.get_database().unwrap_or("postgres"),
+        options.get_username()
+    )
+}
+
+/// A failure to reach or log in to the database, saying where and what to check. The sqlx
+/// error stays in the chain, so transient failures are still recognised as such.
+fn unreachable(options: &PgConnectOptions, doing: &str, error: sqlx::Error) -> anyhow::Error {
+    let code = error.as_database_error().and_then(|e| e.code()).map(|c| c.into_owned());
+    let hint = match (&error, code.as_deref()) {
+        (_, Some("28000" | "28P01")) => "check the user and password in DATABASE_URL",
+        (_, Some("3D000")) => "the database does not exist and could not be created",
+        (sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut, _) => {
+            "is PostgreSQL running there? Check DATABASE_URL (or --database-url)"
+        }
+        (sqlx::Error::Tls(_), _) => "check the TLS settings (sslmode) in DATABASE_URL",
+        _ => "check DATABASE_URL (or --database-url)",
+    };
+    let refusal = match error.as_database_error() {
+        Some(database) => format!(": {}", database.message()),
+        None => String::new(),
+    };
+    anyhow::Error::new(error).context(format!("{doing} {}{refusal} — {hint}", describe(options)))
+}
+
 pub async fn connect(database_url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
-    let options = PgConnectOptions::from_str(database_url)
-        .context("parsing DATABASE_URL")?
-        .log_slow_statements(log::LevelFilter::Warn, SLOW_STATEMENT);
+    let options = parse_url(database_url)?.log_slow_statements(log::LevelFilter::Warn, SLOW_STATEMENT);
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(10))
-        .connect_with(options)
+        .connect_with(options.clone())
         .await
-        .context("connecting to PostgreSQL (DATABASE_URL)")
+        .map_err(|e| unreachable(&options, "cannot connect to", e))
 }
 
-pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
-    sqlx::migrate!("./migrations").run(pool).await.context("running database migrations")
+/// Applies the migrations not yet applied; returns how many that was.
+pub async fn migrate(pool: &PgPool) -> anyhow::Result<usize> {
+    let before = applied_migrations(pool).await?;
+    sqlx::migrate!("./migrations").run(pool).await.context("running database migrations")?;
+    Ok(applied_migrations(pool).await?.saturating_sub(before))
+}
+
+async fn applied_migrations(pool: &PgPool) -> sqlx::Result<usize> {
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(pool).await?;
+    if !exists {
+        return Ok(0);
+    }
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations").fetch_one(pool).await?;
+    Ok(count as usize)
 }
 
 /// Makes the `datasets` table match the tenant files, so the SQL write functions validate
@@ -72,8 +130,14 @@ pub async fn sync_catalogue(pool: &PgPool, registry: &Registry) -> anyhow::Resul
 /// `CREATE DATABASE` for the URL's database unless it exists (a fresh machine has only `postgres`).
 pub async fn create_database_if_missing(database_url: &str) -> anyhow::Result<()> {
     use sqlx::migrate::MigrateDatabase;
-    if !sqlx::Postgres::database_exists(database_url).await.context("checking the database exists")? {
-        sqlx::Postgres::create_database(database_url).await.context("creating the database")?;
+    let options = parse_url(database_url)?;
+    let exists = sqlx::Postgres::database_exists(database_url)
+        .await
+        .map_err(|e| unreachable(&options, "cannot connect to", e))?;
+    if !exists {
+        sqlx::Postgres::create_database(database_url)
+            .await
+            .map_err(|e| unreachable(&options, "cannot create the database on", e))?;
     }
     Ok(())
 }

@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -13,10 +14,14 @@ use exportd::server::ServeOptions;
 use exportd::tenants::Registry;
 
 #[derive(Parser)]
-#[command(name = "exportd", version, about = "Multi-tenant exports and incremental feeds on PostgreSQL")]
+#[command(
+    name = "exportd",
+    version,
+    about = "Multi-tenant exports and incremental feeds on PostgreSQL",
+    after_help = "The server settings (DATABASE_URL, EXPORTD_TENANTS_DIR, EXPORTD_STORAGE, …) are listed by \
+                  `exportd serve --help`; `download` and `pull` need only EXPORTD_URL and EXPORTD_TOKEN."
+)]
 struct Cli {
-    #[command(flatten)]
-    settings: Settings,
     #[command(subcommand)]
     command: Command,
 }
@@ -25,6 +30,8 @@ struct Cli {
 enum Command {
     /// Run the HTTP API.
     Serve {
+        #[command(flatten)]
+        settings: Settings,
         /// Address to listen on.
         #[arg(long, env = "EXPORTD_LISTEN", default_value = "127.0.0.1:8080")]
         listen: SocketAddr,
@@ -51,6 +58,8 @@ enum Command {
     },
     /// Run export workers only (scale out: any number of processes on any machines).
     Worker {
+        #[command(flatten)]
+        settings: Settings,
         #[arg(long, env = "EXPORTD_WORKERS", default_value_t = 2)]
         workers: usize,
         /// Run until no job is waiting, then exit (batch runs, benchmarks).
@@ -58,9 +67,14 @@ enum Command {
         exit_when_idle: bool,
     },
     /// Create the database if needed and apply migrations.
-    Migrate,
+    Migrate {
+        #[command(flatten)]
+        settings: Settings,
+    },
     /// Print a bearer token for a principal (local use and demos).
     Token {
+        #[command(flatten)]
+        settings: Settings,
         #[arg(long)]
         tenant: String,
         #[arg(long)]
@@ -109,6 +123,8 @@ enum Command {
     },
     /// Load deterministic synthetic records with COPY.
     Seed {
+        #[command(flatten)]
+        settings: Settings,
         #[arg(long)]
         tenant: String,
         #[arg(long)]
@@ -135,18 +151,64 @@ struct ServerArgs {
     token: String,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+/// Errors end the process with their causes, one per line, and never a backtrace: they are
+/// expected failures (a server that is down, a bad setting), not bugs.
+fn main() -> ExitCode {
     let cli = Cli::parse();
-    exportd::telemetry::init();
-    let settings = cli.settings;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("starting the runtime");
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {}", report(&error));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The error and its causes, leaving out a cause its parent's message already includes (sqlx
+/// repeats an I/O error's text in its own).
+fn report(error: &anyhow::Error) -> String {
+    let mut text = error.to_string();
+    let mut previous = text.clone();
+    for cause in error.chain().skip(1) {
+        // A server's error reads better as its message alone (sqlx adds the C source line).
+        let cause = if let Some(database) = cause.downcast_ref::<sqlx::Error>().and_then(|e| e.as_database_error()) {
+            database.message().to_owned()
+        } else if let Some(database) = cause.downcast_ref::<Box<dyn sqlx::error::DatabaseError>>() {
+            database.message().to_owned()
+        } else {
+            cause.to_string()
+        };
+        if !previous.contains(&cause) {
+            text.push_str("\n  because: ");
+            text.push_str(&cause);
+        }
+        previous = cause;
+    }
+    text
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let service = matches!(cli.command, Command::Serve { .. } | Command::Worker { .. });
+    exportd::telemetry::init(if service { exportd::telemetry::SERVICE_LOG } else { exportd::telemetry::COMMAND_LOG });
     match cli.command {
-        Command::Serve { listen, workers, link_ttl, clean_every, metrics_token, max_connections, header_timeout } => {
+        Command::Serve {
+            settings,
+            listen,
+            workers,
+            link_ttl,
+            clean_every,
+            metrics_token,
+            max_connections,
+            header_timeout,
+        } => {
             let connections = ConnectionLimits { max_connections, header_read_timeout: header_timeout };
             let options = ServeOptions { listen, workers, link_ttl, clean_every, metrics_token, connections };
             exportd::server::serve(&settings, options).await
         }
-        Command::Worker { workers, exit_when_idle } => exportd::server::work(&settings, workers, exit_when_idle).await,
+        Command::Worker { settings, workers, exit_when_idle } => {
+            exportd::server::work(&settings, workers, exit_when_idle).await
+        }
         Command::Download { export_id, out, server, shards, parallel, limit_rate } => {
             let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
             let (base_url, token) = (server.url, server.token);
@@ -164,18 +226,23 @@ async fn main() -> anyhow::Result<()> {
             println!("{written} changes");
             Ok(())
         }
-        Command::Migrate => {
-            exportd::server::prepare(&settings, 2).await?;
-            println!("database is up to date");
+        Command::Migrate { settings } => {
+            let prepared = exportd::server::prepare_reporting(&settings, 2).await?;
+            let target = exportd::db::describe(&exportd::db::parse_url(&settings.database_url)?);
+            match prepared.migrations_applied {
+                0 => println!("{target}: already up to date"),
+                1 => println!("{target}: applied 1 migration; up to date"),
+                n => println!("{target}: applied {n} migrations; up to date"),
+            }
             Ok(())
         }
-        Command::Token { tenant, principal, ttl } => {
+        Command::Token { settings, tenant, principal, ttl } => {
             let registry = Registry::load(&settings.tenants_dir)?;
             let tenant = registry.get(&tenant).with_context(|| format!("no tenant `{tenant}`"))?;
             println!("{}", exportd::auth::mint(tenant, &principal, ttl)?);
             Ok(())
         }
-        Command::Seed { tenant, dataset, rows, start, seed } => {
+        Command::Seed { settings, tenant, dataset, rows, start, seed } => {
             let (pool, registry) = exportd::server::prepare(&settings, 2).await?;
             let tenant = registry.get(&tenant).with_context(|| format!("no tenant `{tenant}`"))?;
             let schema = tenant

@@ -40,6 +40,19 @@ const DRAIN: Duration = Duration::from_secs(20);
 /// A transient database error (a restart, a terminated connection) is retried for a while, so
 /// a process started during a database blip comes up instead of exiting.
 pub async fn prepare(settings: &Settings, max_connections: u32) -> anyhow::Result<(PgPool, Arc<Registry>)> {
+    let prepared = prepare_reporting(settings, max_connections).await?;
+    Ok((prepared.pool, prepared.registry))
+}
+
+/// What [`prepare`] did: the pool, the tenants, and how many migrations it applied.
+pub struct Prepared {
+    pub pool: PgPool,
+    pub registry: Arc<Registry>,
+    pub migrations_applied: usize,
+}
+
+/// [`prepare`], also saying how many migrations were applied (`exportd migrate`).
+pub async fn prepare_reporting(settings: &Settings, max_connections: u32) -> anyhow::Result<Prepared> {
     let registry = Registry::load(&settings.tenants_dir)?;
     let started = std::time::Instant::now();
     let mut delays = db::retry_delays();
@@ -47,12 +60,14 @@ pub async fn prepare(settings: &Settings, max_connections: u32) -> anyhow::Resul
         let attempt = async {
             db::create_database_if_missing(&settings.database_url).await?;
             let pool = db::connect(&settings.database_url, max_connections).await?;
-            db::migrate(&pool).await?;
+            let migrations_applied = db::migrate(&pool).await?;
             db::sync_catalogue(&pool, &registry).await?;
-            Ok::<_, anyhow::Error>(pool)
+            Ok::<_, anyhow::Error>((pool, migrations_applied))
         };
         match attempt.await {
-            Ok(pool) => return Ok((pool, Arc::new(registry))),
+            Ok((pool, migrations_applied)) => {
+                return Ok(Prepared { pool, registry: Arc::new(registry), migrations_applied });
+            }
             Err(e) if db::is_transient_chain(&e) && started.elapsed() < STARTUP_PATIENCE => {
                 tracing::warn!(error = format!("{e:#}"), "database not ready at start-up; trying again");
                 tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(1))).await;

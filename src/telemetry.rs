@@ -2,9 +2,14 @@
 
 use tracing_subscriber::EnvFilter;
 
-pub fn init() {
-    let filter =
-        EnvFilter::try_from_env("EXPORTD_LOG").unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn,tower_http=info"));
+/// The log filter of long-running processes (`serve`, `worker`) unless EXPORTD_LOG says otherwise.
+pub const SERVICE_LOG: &str = "info,sqlx=warn,tower_http=info";
+/// One-shot commands (`migrate`, `seed`, `token`, clients) print their own results: only trouble
+/// is logged (a seed's long statements are expected, not worth a warning).
+pub const COMMAND_LOG: &str = "warn,sqlx=error";
+
+pub fn init(default_filter: &str) {
+    let filter = EnvFilter::try_from_env("EXPORTD_LOG").unwrap_or_else(|_| EnvFilter::new(default_filter));
     tracing_subscriber::fmt()
         .json()
         .flatten_event(true)

@@ -104,6 +104,12 @@ pub fn mint(tenant: &Tenant, principal: &str, ttl: Duration) -> anyhow::Result<S
         ttl.as_secs() <= u64::from(max_hours) * 3600,
         "the tenant's tokens live at most {max_hours} hours ([auth] max_token_lifetime_hours)"
     );
+    // A token the server would refuse is no use to anyone: say why instead.
+    anyhow::ensure!(
+        !tenant.principal(principal).is_some_and(|p| p.disabled),
+        "principal `{principal}` of tenant `{}` is disabled in its tenant file: the server refuses its tokens",
+        tenant.id
+    );
     let now = now_seconds();
     mint_at(tenant, principal, now, now + ttl.as_secs())
 }

@@ -54,6 +54,18 @@ struct PrincipalFile {
 }
 
 pub(super) fn load_dir(dir: &Path) -> Result<Registry, ConfigError> {
+    if !dir.is_dir() {
+        let absolute = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+        return Err(ConfigError {
+            file: dir.to_path_buf(),
+            field: String::new(),
+            message: format!(
+                "no tenants directory here (looked in {}); point EXPORTD_TENANTS_DIR or --tenants-dir at \
+                 the directory of tenant files (the repository's ./tenants holds two demo tenants)",
+                absolute.display()
+            ),
+        });
+    }
     let schemas = load_schemas(&dir.join("datasets"))?;
     let mut registry = Registry::default();
     let mut kid_files: HashMap<String, PathBuf> = HashMap::new();
