@@ -401,7 +401,7 @@ async fn invalid_requests_name_the_field(pool: PgPool) {
             Some("since"),
         ),
         (json!({"dataset": "tickets", "format": "csv", "since": "x"}), 400, "invalid-request", Some("since")),
-        (json!({"dataset": "orders", "format": "csv"}), 404, "dataset-not-found", None),
+        (json!({"dataset": "orders", "format": "csv"}), 400, "invalid-request", Some("dataset")),
     ];
     for (body, status, code, field) in cases {
         let response = app.create_export(&admin, Some(&uuid::Uuid::new_v4().to_string()), &body).await;
@@ -410,6 +410,20 @@ async fn invalid_requests_name_the_field(pool: PgPool) {
         assert_eq!(problem["code"], code, "{body}");
         assert_eq!(problem["field"].as_str(), field, "{body}: {problem}");
     }
+    // A dataset another tenant has looks exactly like one nobody has.
+    let elsewhere = app
+        .create_export(&app.token("globex", "hank"), Some("k"), &json!({"dataset": "contacts", "format": "csv"}))
+        .await;
+    assert_eq!(elsewhere.status(), 400);
+    let elsewhere = problem(elsewhere).await;
+    let nowhere = app
+        .create_export(&app.token("globex", "hank"), Some("k2"), &json!({"dataset": "orders", "format": "csv"}))
+        .await;
+    let nowhere = problem(nowhere).await;
+    assert_eq!(
+        (&elsewhere["code"], &elsewhere["field"], &elsewhere["detail"]),
+        (&nowhere["code"], &nowhere["field"], &nowhere["detail"])
+    );
     let ungranted = app
         .create_export(&app.token("acme", "zenpartner"), Some("k"), &json!({"dataset": "contacts", "format": "csv"}))
         .await;

@@ -259,3 +259,17 @@ async fn the_token_command_mints_a_working_token(pool: PgPool) {
     let token = String::from_utf8(output.stdout).unwrap();
     assert_eq!(app.get(Some(token.trim()), "/v1/datasets").await.status(), 200);
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_wrong_method_is_a_problem_naming_the_allowed_ones(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let admin = app.token("acme", "alice");
+    for (path, allowed) in [("/healthz", "GET"), ("/v1/exports", "POST")] {
+        let response = app.client.put(app.url(path)).bearer_auth(&admin).send().await.unwrap();
+        assert_eq!(response.status(), 405, "{path}");
+        let allow = response.headers()["allow"].to_str().unwrap().to_owned();
+        assert!(allow.split(',').any(|m| m.trim() == allowed), "{path}: Allow: {allow}");
+        let body = problem(response).await;
+        assert_eq!(body["code"], "method-not-allowed", "{path}");
+    }
+}

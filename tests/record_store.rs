@@ -201,6 +201,7 @@ async fn the_sql_functions_refuse_records_that_do_not_fit_and_name_the_field(poo
         assert_eq!(db.code().as_deref(), Some("EXD01"), "{data}");
         let pg = db.downcast_ref::<sqlx::postgres::PgDatabaseError>();
         assert_eq!(pg.column(), Some(field), "{data}: {}", pg.message());
+        assert!(pg.message().starts_with(&format!("{field}: ")), "the message names the field: {}", pg.message());
     }
     let ok = json!({"subject": "s", "status": "open", "priority": 3, "amount": -3.5,
         "opened_at": "2026-11-30T10:00:00.5+01:00", "tags": {"any": ["json"]}, "region": null});

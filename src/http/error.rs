@@ -182,3 +182,15 @@ impl From<QueryRejection> for ApiError {
 pub async fn fallback() -> ApiError {
     ApiError::not_found("no such resource")
 }
+
+/// The router's own 405 (a known path, another method) has an empty body: answer it as a
+/// problem too. The router adds `Allow` after this layer, so the header still lists the methods.
+pub async fn method_not_allowed_as_problem(response: axum::response::Response) -> axum::response::Response {
+    use axum::http::header::CONTENT_TYPE;
+    use axum::response::IntoResponse;
+    if response.status() != StatusCode::METHOD_NOT_ALLOWED || response.headers().contains_key(CONTENT_TYPE) {
+        return response;
+    }
+    let detail = "this resource does not answer this method; the Allow header lists those it does";
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method-not-allowed", detail).into_response()
+}

@@ -162,9 +162,8 @@ impl From<ExportJob> for ExportView {
     responses(
         (status = 202, body = CreatedView, description = "created; `Location` names the status resource"),
         (status = 200, body = CreatedView, description = "replay of an earlier create with this key"),
-        (status = 400, description = "missing/invalid Idempotency-Key or body"),
+        (status = 400, description = "missing/invalid Idempotency-Key or body, or no such dataset (`field` names it)"),
         (status = 403, description = "dataset not granted"),
-        (status = 404, description = "no such dataset"),
         (status = 422, description = "Idempotency-Key reused with a different request")))]
 async fn create_export(
     State(state): State<AppState>,
@@ -382,7 +381,8 @@ impl From<ExportError> for ApiError {
             ExportError::NotImplemented { field, .. } => {
                 ApiError::new(StatusCode::NOT_IMPLEMENTED, "not-implemented", detail).with("field", field)
             }
-            ExportError::DatasetNotFound => ApiError::new(StatusCode::NOT_FOUND, "dataset-not-found", detail),
+            // A bad value in the body, not a missing resource: the request names it.
+            ExportError::DatasetNotFound => ApiError::invalid_field("dataset", detail),
             ExportError::DatasetNotGranted => ApiError::new(StatusCode::FORBIDDEN, "dataset-not-granted", detail),
             ExportError::IdempotencyKeyReused => {
                 ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "idempotency-key-reused", detail)

@@ -61,6 +61,7 @@ pub fn app(state: AppState) -> Router {
     // Router::layer: the last added is the outermost.
     // Applies to every body extractor (Bytes, Json, Form); past it a problem+json 413.
     .layer(DefaultBodyLimit::max(BODY_LIMIT_BYTES))
+    .layer(axum::middleware::map_response(error::method_not_allowed_as_problem))
     .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, RESPONSE_HEAD_TIMEOUT))
     .layer(CatchPanicLayer::custom(|_| {
         axum::response::IntoResponse::into_response(ApiError::internal(anyhow::anyhow!("handler panicked")))
