@@ -19,9 +19,10 @@ pg_bindir() {
   fi
 }
 
-# Runs a PostgreSQL server binary, as the postgres user when we are root (it refuses root).
+# Runs a PostgreSQL server binary, as the postgres user when we are root (it refuses root),
+# from / (the postgres user may not be allowed into the current directory, e.g. under /root).
 pg_run() {
-  if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+  if [ "$(id -u)" = 0 ]; then (cd / && runuser -u postgres -- "$@"); else "$@"; fi
 }
 
 pg_answers() { # url
@@ -56,7 +57,19 @@ start_private_postgres() {
   local dir="$1" port="$2" listen="$3" bin
   bin="$(pg_bindir)"
   mkdir -p "$dir"
-  if [ "$(id -u)" = 0 ]; then chown postgres:postgres "$dir"; fi
+  if [ "$(id -u)" = 0 ]; then
+    chown postgres:postgres "$dir"
+    # A clone under a directory the postgres user cannot enter (/root is mode 700): keep the
+    # cluster where it can, named after the wanted directory so each clone has its own.
+    if ! pg_run test -w "$dir"; then
+      local elsewhere
+      elsewhere="/var/tmp/exportd-pg-$(printf '%s' "$dir" | sha256sum | cut -c1-12)"
+      echo "the postgres user cannot reach $dir; keeping this private cluster in $elsewhere instead"
+      rmdir "$dir" 2>/dev/null || true
+      dir="$elsewhere"
+      mkdir -p "$dir" && chown postgres:postgres "$dir" && chmod 700 "$dir"
+    fi
+  fi
   if [ ! -f "$dir/data/PG_VERSION" ]; then
     pg_run "$bin/initdb" -D "$dir/data" -U postgres -A trust -E UTF8 --no-locale >"$dir/initdb.log" 2>&1 \
       || { cat "$dir/initdb.log" >&2; return 1; }
