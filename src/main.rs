@@ -106,9 +106,13 @@ enum Command {
     Pull {
         #[arg(long)]
         dataset: String,
-        /// Holds the cursor between runs; when missing, the feed starts from now.
+        /// Holds the cursor between runs; when missing, the feed starts from now (or --since-export).
         #[arg(long)]
         cursor_file: PathBuf,
+        /// With no cursor file yet: start where this full export ends (its manifest's next_cursor),
+        /// so the export plus the feed hold every change exactly once.
+        #[arg(long)]
+        since_export: Option<String>,
         /// JSONL file the changes are appended to.
         #[arg(long)]
         out: PathBuf,
@@ -218,12 +222,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Pull { dataset, cursor_file, out, server, limit, follow } => {
+        Command::Pull { dataset, cursor_file, since_export, out, server, limit, follow } => {
             let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
             let (base_url, token) = (server.url, server.token);
-            let options = PullOptions { base_url, token, dataset, cursor_file, out, limit, follow, progress };
+            let options =
+                PullOptions { base_url, token, dataset, cursor_file, since_export, out, limit, follow, progress };
             let written = exportd::client::pull(&options).await?;
-            println!("{written} changes");
+            println!("{written} change{}", if written == 1 { "" } else { "s" });
             Ok(())
         }
         Command::Migrate { settings } => {

@@ -197,3 +197,33 @@ async fn pull_appends_each_change_once_and_keeps_its_cursor(pool: PgPool) {
         lines().iter().map(|c| (c["op"].as_str().unwrap().to_owned(), c["key"].as_str().unwrap().to_owned())).collect();
     assert_eq!(keys, [("upsert".into(), "a".into()), ("upsert".into(), "b".into()), ("delete".into(), "a".into())]);
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn pull_since_an_export_starts_where_the_export_ends(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let (id, _) = published(&app).await;
+    let mut conn = app.pool.acquire().await.unwrap();
+    sqlx::query("SELECT exportd_upsert('acme', 'tickets', 'after', '{\"subject\": \"s\", \"status\": \"open\"}')")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    app.tick().await;
+    app.pass_safety_delay();
+    let dir = tempfile::tempdir().unwrap();
+    let (cursor_file, out) = (dir.path().join("tickets.cursor"), dir.path().join("changes.jsonl"));
+    let run = Command::new(env!("CARGO_BIN_EXE_exportd"))
+        .args(["pull", "--dataset", "tickets", "--since-export", &id, "--cursor-file"])
+        .arg(&cursor_file)
+        .arg("--out")
+        .arg(&out)
+        .env("EXPORTD_URL", app.url(""))
+        .env("EXPORTD_TOKEN", app.token("acme", "alice"))
+        .output()
+        .await
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    // The 600 exported records are not repeated; the change after the export arrives once.
+    assert_eq!(String::from_utf8_lossy(&run.stdout).trim(), "1 change");
+    let change: Value = serde_json::from_str(std::fs::read_to_string(&out).unwrap().trim()).unwrap();
+    assert_eq!((change["op"].as_str(), change["key"].as_str()), (Some("upsert"), Some("after")));
+}

@@ -17,8 +17,11 @@ pub struct PullOptions {
     pub base_url: String,
     pub token: String,
     pub dataset: String,
-    /// Holds the cursor between runs; created from "now" when missing.
+    /// Holds the cursor between runs; when missing, created from `since_export` or else "now".
     pub cursor_file: PathBuf,
+    /// A full export whose manifest's `next_cursor` starts the feed (the hand-off: the export
+    /// holds everything before it, the feed every change after it).
+    pub since_export: Option<String>,
     pub out: PathBuf,
     pub limit: usize,
     /// Keep polling at the end of the stream, with the server's suggested delay.
@@ -42,10 +45,22 @@ pub async fn pull(options: &PullOptions) -> anyhow::Result<u64> {
     let mut cursor = match tokio::fs::read_to_string(&options.cursor_file).await {
         Ok(text) => text.trim().to_owned(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let url = format!("{base}/v1/datasets/{}/cursor", options.dataset);
-            let body: serde_json::Value =
-                ok(client.get(url).header(AUTHORIZATION, &auth).send().await?).await?.json().await?;
-            let cursor = body["cursor"].as_str().context("the server sent no cursor")?.to_owned();
+            let (url, field) = match &options.since_export {
+                Some(id) => (format!("{base}/v1/exports/{id}/manifest"), "next_cursor"),
+                None => {
+                    eprintln!(
+                        "no cursor file yet: the feed starts now, so changes made from here on arrive on the next pull \
+                         (--since-export ID starts where a full export ends)"
+                    );
+                    (format!("{base}/v1/datasets/{}/cursor", options.dataset), "cursor")
+                }
+            };
+            let body: serde_json::Value = ok(client.get(url).header(AUTHORIZATION, &auth).send().await?)
+                .await
+                .context("finding where the feed starts")?
+                .json()
+                .await?;
+            let cursor = body[field].as_str().with_context(|| format!("the server sent no `{field}`"))?.to_owned();
             save_cursor(&options.cursor_file, &cursor).await?;
             cursor
         }
