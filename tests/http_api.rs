@@ -42,6 +42,34 @@ async fn openapi_describes_every_route(pool: PgPool) {
     }
     assert!(doc["paths"]["/v1/datasets/{dataset}/records"]["post"].is_object());
     assert_eq!(doc["components"]["securitySchemes"]["bearer"]["scheme"], "bearer");
+    // Every status a client can meet is declared: the limits and outages on every /v1
+    // operation, 401 wherever a token is required, 415 and 413 wherever a body is taken.
+    assert!(doc["components"]["schemas"]["Problem"].is_object());
+    for (path, item) in paths.iter().filter(|(path, _)| path.starts_with("/v1/")) {
+        for (method, operation) in item.as_object().unwrap() {
+            let responses = operation["responses"].as_object().unwrap();
+            let declares = |status: &str| responses.contains_key(status);
+            assert!(declares("429") && declares("503"), "{method} {path}: {:?}", responses.keys());
+            if operation["security"].as_array().is_some_and(|s| !s.is_empty()) {
+                assert!(declares("401"), "{method} {path}");
+            }
+            if operation.get("requestBody").is_some() {
+                assert!(declares("413") && declares("415") && declares("400"), "{method} {path}");
+                assert_eq!(
+                    responses["415"]["content"]["application/problem+json"]["schema"]["$ref"],
+                    "#/components/schemas/Problem"
+                );
+            }
+        }
+    }
+    let limit = doc["paths"]["/v1/datasets/{dataset}/changes"]["get"]["parameters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "limit")
+        .unwrap()
+        .clone();
+    assert_eq!((&limit["schema"]["minimum"], &limit["schema"]["maximum"]), (&json!(1), &json!(10000)));
 }
 
 #[sqlx::test(migrations = "./migrations")]

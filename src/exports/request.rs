@@ -35,6 +35,8 @@ impl Mode {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExportRequest {
+    /// One of the caller's tenant's datasets.
+    #[schema(min_length = 1, max_length = 63)]
     pub dataset: String,
     pub format: Format,
     #[serde(default)]
@@ -48,6 +50,7 @@ pub struct ExportRequest {
     pub filter: Option<Map<String, Value>>,
     /// Rows per shard file (1 to 1 000 000, default 100 000).
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 1_000_000)]
     pub shard_rows: Option<u32>,
     /// Start cursor of an incremental export.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -19,8 +19,10 @@ pub fn router() -> OpenApiRouter<AppState> {
 #[into_params(parameter_in = Query)]
 pub struct AuditParams {
     /// `next_cursor` of the previous page.
+    #[param(min_length = 1)]
     cursor: Option<String>,
     /// Page size, 1 to 500 (default 100).
+    #[param(minimum = 1, maximum = 500)]
     limit: Option<u32>,
 }
 

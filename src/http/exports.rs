@@ -254,10 +254,13 @@ fn sign_links(state: &AppState, caller: &Caller, job: &ExportJob, from: u32) -> 
 #[into_params(parameter_in = Query)]
 pub struct ListParams {
     /// Only jobs in this state.
+    #[param(pattern = "^(QUEUED|RUNNING|CANCEL_REQUESTED|SUCCEEDED|FAILED|CANCELLED|EXPIRED|REVOKED)$")]
     state: Option<String>,
     /// `next_cursor` of the previous page.
+    #[param(min_length = 1)]
     cursor: Option<String>,
     /// Page size, 1 to 200 (default 50).
+    #[param(minimum = 1, maximum = 200)]
     limit: Option<u32>,
 }
 

@@ -26,8 +26,10 @@ pub fn router() -> OpenApiRouter<AppState> {
 pub struct ChangesParams {
     /// Where to continue: a `next_cursor`, a full export's manifest `next_cursor`, or one from
     /// `GET /v1/datasets/{dataset}/cursor`.
+    #[param(required = true, min_length = 1)]
     cursor: Option<String>,
     /// Changes per page, 1 to 10 000 (default 1000).
+    #[param(minimum = 1, maximum = 10000)]
     limit: Option<usize>,
 }
 

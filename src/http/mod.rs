@@ -45,7 +45,8 @@ const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// The whole application: routes, `/openapi.json`, and the middleware stack.
 pub fn app(state: AppState) -> Router {
-    let (api, openapi) = openapi::routes().split_for_parts();
+    let (api, mut openapi) = openapi::routes().split_for_parts();
+    openapi::add_common_responses(&mut openapi);
     let openapi_json = serde_json::to_string(&openapi).expect("the OpenAPI document serializes");
     api.route(
         "/openapi.json",

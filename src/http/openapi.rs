@@ -36,3 +36,61 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .merge(feeds::router())
         .merge(usage::router())
 }
+
+/// Adds what every operation can answer besides its own statuses, so the document lists every
+/// status a client can meet: problems for a missing or bad token (401), the rate limits (429)
+/// and an unreachable database or store (503) on authenticated operations; a bad parameter or
+/// body (400), and for bodies a wrong media type (415) or size (413). Declared once here
+/// rather than on each handler, where one would be forgotten.
+pub fn add_common_responses(doc: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::schema::{ObjectBuilder, Type};
+    let components = doc.components.get_or_insert_with(Default::default);
+    let text = || ObjectBuilder::new().schema_type(Type::String);
+    let problem = ObjectBuilder::new()
+        .description(Some("RFC 9457 problem details; `code` is stable, `field` names the offending input"))
+        .property("type", text())
+        .property("title", text())
+        .property("status", ObjectBuilder::new().schema_type(Type::Integer))
+        .property("code", text())
+        .property("detail", text())
+        .property("field", text())
+        .required("type")
+        .required("status")
+        .required("code");
+    components.schemas.insert("Problem".to_owned(), problem.into());
+    for item in doc.paths.paths.values_mut() {
+        let operations =
+            [&mut item.get, &mut item.post, &mut item.put, &mut item.delete, &mut item.head, &mut item.patch];
+        for operation in operations.into_iter().flatten() {
+            let authenticated = operation.security.as_ref().is_some_and(|s| !s.is_empty());
+            let takes_input = operation.parameters.as_ref().is_some_and(|p| !p.is_empty());
+            let has_body = operation.request_body.is_some();
+            // Downloads authenticate with a signed link instead of a bearer token; only
+            // `/healthz` (no input, no token) is outside the limits.
+            let limited = authenticated || takes_input;
+            let common = [
+                (authenticated, "401", "missing, malformed, expired or revoked bearer token"),
+                (limited, "429", "over a rate or concurrency limit; `Retry-After` says when to try again"),
+                (limited, "503", "the database or object store is unreachable; nothing changed; `Retry-After`"),
+                (takes_input || has_body, "400", "an invalid parameter or body; `field` names it"),
+                (has_body, "413", "the body is larger than the server accepts"),
+                (has_body, "415", "the body is not `application/json`"),
+            ];
+            for (applies, status, description) in common {
+                if applies {
+                    operation
+                        .responses
+                        .responses
+                        .entry(status.to_owned())
+                        .or_insert_with(|| problem_response(description));
+                }
+            }
+        }
+    }
+}
+
+fn problem_response(description: &str) -> utoipa::openapi::RefOr<utoipa::openapi::Response> {
+    use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+    let content = ContentBuilder::new().schema(Some(Ref::from_schema_name("Problem"))).build();
+    ResponseBuilder::new().description(description).content("application/problem+json", content).build().into()
+}

@@ -64,6 +64,7 @@ async fn list_datasets(caller: Caller) -> axum::Json<DatasetList> {
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct IngestRecord {
+    #[schema(min_length = 1, max_length = 512)]
     key: String,
     #[schema(value_type = Option<Object>)]
     data: Option<Map<String, Value>>,
