@@ -41,8 +41,9 @@ pub struct ExportRequest {
     pub format: Format,
     #[serde(default)]
     pub mode: Mode,
-    /// Dataset columns to export, in this order, after the key column (default: all).
+    /// Dataset columns to export, each once, in this order, after the key column (default: all).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(min_items = 1)]
     pub columns: Option<Vec<String>>,
     /// Column = value equalities every exported row must satisfy.
     #[serde(default, skip_serializing_if = "Option::is_none")]

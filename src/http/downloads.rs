@@ -65,6 +65,7 @@ async fn download_file(
     params(("id" = String, Path), ("n" = u32, Path), LinkQuery),
     responses((status = 200, description = "the shard"), (status = 206, description = "a range of it"),
         (status = 403, description = "bad, expired or foreign link"), (status = 404, description = "absent"),
+        (status = 409, description = "not published yet"),
         (status = 410, description = "gone"), (status = 416, description = "range not satisfiable")))]
 async fn download_shard(
     State(state): State<AppState>,

@@ -95,6 +95,7 @@ const SHARD_LINKS_PER_PAGE: u32 = 100;
 #[into_params(parameter_in = Query)]
 pub struct StatusParams {
     /// The first shard whose link to sign (default 0); at most 100 shard links per response.
+    #[param(value_type = Option<i64>, minimum = 0, maximum = 4_294_967_295_i64)]
     shard_links_from: Option<u32>,
 }
 
@@ -158,7 +159,8 @@ impl From<ExportJob> for ExportView {
 /// the same key and request replay the job (200), the same key with another request is 422.
 #[utoipa::path(post, path = "/v1/exports", tag = "exports", security(("bearer" = [])),
     request_body = ExportRequest,
-    params(("Idempotency-Key" = String, Header, description = "1-255 visible ASCII characters")),
+    params(("Idempotency-Key" = String, Header, description = "1-255 visible ASCII characters",
+        min_length = 1, max_length = 255, pattern = "^[!-~]{1,255}$")),
     responses(
         (status = 202, body = CreatedView, description = "created; `Location` names the status resource"),
         (status = 200, body = CreatedView, description = "replay of an earlier create with this key"),

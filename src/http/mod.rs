@@ -47,6 +47,7 @@ const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 pub fn app(state: AppState) -> Router {
     let (api, mut openapi) = openapi::routes().split_for_parts();
     openapi::add_common_responses(&mut openapi);
+    openapi::add_links(&mut openapi);
     let openapi_json = serde_json::to_string(&openapi).expect("the OpenAPI document serializes");
     api.route(
         "/openapi.json",

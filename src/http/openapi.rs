@@ -89,6 +89,128 @@ pub fn add_common_responses(doc: &mut utoipa::openapi::OpenApi) {
     }
 }
 
+/// Links from a response to the operations its values feed (OpenAPI `links`), so a client or a
+/// stateful tester can follow create → status → manifest → file, and cursor → next page.
+pub fn add_links(doc: &mut utoipa::openapi::OpenApi) {
+    const EXPORT_ID: (&str, &str) = ("id", "$response.body#/id");
+    const SAME_EXPORT: (&str, &str) = ("id", "$request.path.id");
+    const SAME_DATASET: (&str, &str) = ("dataset", "$request.path.dataset");
+    const NEXT_PAGE: (&str, &str) = ("cursor", "$response.body#/next_cursor");
+    const CREATED: &[&str] = &["200", "202"];
+    const OK: &[&str] = &["200"];
+    let links = [
+        OperationLink {
+            from: "create_export",
+            statuses: CREATED,
+            name: "status",
+            to: "get_export",
+            parameters: &[EXPORT_ID],
+        },
+        OperationLink {
+            from: "create_export",
+            statuses: CREATED,
+            name: "manifest",
+            to: "get_manifest",
+            parameters: &[EXPORT_ID],
+        },
+        OperationLink {
+            from: "create_export",
+            statuses: CREATED,
+            name: "file",
+            to: "download_file",
+            parameters: &[EXPORT_ID],
+        },
+        OperationLink {
+            from: "create_export",
+            statuses: CREATED,
+            name: "cancel",
+            to: "cancel_export",
+            parameters: &[EXPORT_ID],
+        },
+        OperationLink {
+            from: "create_export",
+            statuses: CREATED,
+            name: "revoke",
+            to: "revoke_export",
+            parameters: &[EXPORT_ID],
+        },
+        OperationLink {
+            from: "get_export",
+            statuses: OK,
+            name: "manifest",
+            to: "get_manifest",
+            parameters: &[SAME_EXPORT],
+        },
+        OperationLink {
+            from: "get_export",
+            statuses: OK,
+            name: "file",
+            to: "download_file",
+            parameters: &[SAME_EXPORT],
+        },
+        OperationLink {
+            from: "get_export",
+            statuses: OK,
+            name: "first_shard",
+            to: "download_shard",
+            parameters: &[SAME_EXPORT, ("n", "0")],
+        },
+        OperationLink {
+            from: "list_exports",
+            statuses: OK,
+            name: "next_page",
+            to: "list_exports",
+            parameters: &[NEXT_PAGE],
+        },
+        OperationLink { from: "audit_log", statuses: OK, name: "next_page", to: "audit_log", parameters: &[NEXT_PAGE] },
+        OperationLink {
+            from: "changes",
+            statuses: OK,
+            name: "next_page",
+            to: "changes",
+            parameters: &[SAME_DATASET, NEXT_PAGE],
+        },
+        OperationLink {
+            from: "current_cursor",
+            statuses: OK,
+            name: "changes",
+            to: "changes",
+            parameters: &[SAME_DATASET, ("cursor", "$response.body#/cursor")],
+        },
+    ];
+    for item in doc.paths.paths.values_mut() {
+        let operations =
+            [&mut item.get, &mut item.post, &mut item.put, &mut item.delete, &mut item.head, &mut item.patch];
+        for operation in operations.into_iter().flatten() {
+            let Some(id) = operation.operation_id.clone() else { continue };
+            for link in links.iter().filter(|link| link.from == id) {
+                for status in link.statuses {
+                    let Some(utoipa::openapi::RefOr::T(response)) = operation.responses.responses.get_mut(*status)
+                    else {
+                        panic!("{} declares no {status} response to link from", link.from);
+                    };
+                    let built = link
+                        .parameters
+                        .iter()
+                        .fold(utoipa::openapi::link::LinkBuilder::new().operation_id(link.to), |built, (k, v)| {
+                            built.parameter(*k, *v)
+                        });
+                    response.links.insert(link.name.to_owned(), built.build().into());
+                }
+            }
+        }
+    }
+}
+
+/// A response's value feeding another operation's parameters (`name: value expression`).
+struct OperationLink {
+    from: &'static str,
+    statuses: &'static [&'static str],
+    name: &'static str,
+    to: &'static str,
+    parameters: &'static [(&'static str, &'static str)],
+}
+
 fn problem_response(description: &str) -> utoipa::openapi::RefOr<utoipa::openapi::Response> {
     use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
     let content = ContentBuilder::new().schema(Some(Ref::from_schema_name("Problem"))).build();

@@ -61,16 +61,56 @@ async fn list_datasets(caller: Caller) -> axum::Json<DatasetList> {
 }
 
 /// One element of an ingest batch: `{key, data}` to upsert, `{key, deleted: true}` to delete.
-#[derive(Deserialize, ToSchema)]
+#[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct IngestRecord {
-    #[schema(min_length = 1, max_length = 512)]
     key: String,
-    #[schema(value_type = Option<Object>)]
     data: Option<Map<String, Value>>,
     #[serde(default)]
     deleted: bool,
 }
+
+/// Written by hand because the two shapes exclude each other (an upsert needs `data`, a delete
+/// must not carry it), which a derived schema of the one struct cannot say.
+impl utoipa::PartialSchema for IngestRecord {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{AdditionalProperties, ObjectBuilder, OneOfBuilder, Type};
+        let key = || {
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .min_length(Some(1))
+                // The store's limit is 512 bytes of UTF-8; 512 characters is the most it can be.
+                .max_length(Some(512))
+                .pattern(Some("^[^\\u0000]+$"))
+                .description(Some("the record's key, unique in the dataset: 1 to 512 bytes of UTF-8, no U+0000"))
+        };
+        let deleted = |value: bool| ObjectBuilder::new().schema_type(Type::Boolean).enum_values(Some([value]));
+        let upsert = ObjectBuilder::new()
+            .title(Some("upsert"))
+            .property("key", key())
+            .property(
+                "data",
+                ObjectBuilder::new()
+                    .schema_type(Type::Object)
+                    .description(Some("the record's columns, named and typed as `GET /v1/datasets` lists them")),
+            )
+            .property("deleted", deleted(false))
+            .required("key")
+            .required("data")
+            .additional_properties(Some(AdditionalProperties::FreeForm(false)));
+        let delete = ObjectBuilder::new()
+            .title(Some("delete"))
+            .property("key", key())
+            .property("data", ObjectBuilder::new().schema_type(Type::Null).description(Some("absent or null")))
+            .property("deleted", deleted(true))
+            .required("key")
+            .required("deleted")
+            .additional_properties(Some(AdditionalProperties::FreeForm(false)));
+        OneOfBuilder::new().item(upsert).item(delete).into()
+    }
+}
+
+impl ToSchema for IngestRecord {}
 
 /// Writes a batch of records atomically: every record is validated against the dataset's
 /// columns first, and one bad record stores nothing.
