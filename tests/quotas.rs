@@ -222,6 +222,27 @@ async fn a_tenant_cannot_scan_faster_than_its_rate(pool: PgPool) {
 }
 
 #[sqlx::test(migrations = "./migrations")]
+async fn a_throttled_export_is_claimed_once_per_budget_not_over_and_over(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("initech", "tickets", 800).await; // 200 rows/s, one second of burst
+    let id = app
+        .export(&app.token("initech", "bill"), &json!({"dataset": "tickets", "format": "csv", "shard_rows": 200}))
+        .await;
+    assert_eq!(app.drain().await, vec![exportd::jobs::Step::Published]);
+    // Four shards of one second's budget each: the worker rests between them instead of
+    // claiming the job and giving it back while the budget refills (it used to take ~3 claims
+    // a shard).
+    let (claims, shards): (i64, i32) =
+        sqlx::query_as("SELECT lease_generation, shards_done FROM export_jobs WHERE id = $1::uuid")
+            .bind(&id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(shards, 4);
+    assert!(claims <= 5, "{claims} claims for {shards} throttled shards");
+}
+
+#[sqlx::test(migrations = "./migrations")]
 async fn while_a_tenant_waits_for_its_scan_rate_the_worker_serves_another(pool: PgPool) {
     use exportd::jobs::{ClaimedExport, Step};
     let app = TestApp::spawn(pool).await;

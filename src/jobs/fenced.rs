@@ -50,6 +50,9 @@ pub struct Claimed {
 /// generation grows; a yielded job's claim is not counted as another attempt, and a claim that
 /// finds a new checkpoint since the previous one starts the stalled count again.
 ///
+/// Tenants in `resting` (over their scan rate in this process) are passed over until they may
+/// read again.
+///
 /// Claims are serialized cluster-wide by an advisory lock (one short statement each), so
 /// `max_running_exports` and the round-robin hold with any number of worker processes.
 /// Candidates are ranked without row locks and only the chosen row is locked (`SKIP LOCKED`),
@@ -59,6 +62,7 @@ pub async fn claim(
     worker_id: &str,
     ttl: Duration,
     limits: &[(String, i32)],
+    resting: &[String],
 ) -> sqlx::Result<Option<Claimed>> {
     let (tenants, max_running): (Vec<&str>, Vec<i32>) = limits.iter().map(|(t, m)| (t.as_str(), *m)).unzip();
     let mut tx = pool.begin().await?;
@@ -75,7 +79,8 @@ pub async fn claim(
          waiting AS (
              SELECT DISTINCT j.tenant FROM export_jobs j
              WHERE j.state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
-               AND (j.lease_expires_at IS NULL OR j.lease_expires_at < now()) AND {NEEDS_COORDINATOR}),
+               AND (j.lease_expires_at IS NULL OR j.lease_expires_at < now()) AND {NEEDS_COORDINATOR}
+               AND j.tenant <> ALL($5::text[])),
          ranked AS (
              SELECT c.id, row_number() OVER (ORDER BY t.last_claimed_at NULLS FIRST, c.created_at, c.id) AS turn
              FROM waiting w
@@ -119,6 +124,7 @@ pub async fn claim(
     .bind(millis(ttl))
     .bind(&tenants)
     .bind(&max_running)
+    .bind(resting)
     .fetch_optional(&mut *tx)
     .await?;
     if let Some(claimed) = &claimed {

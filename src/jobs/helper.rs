@@ -13,7 +13,9 @@ use super::shard_task::{ShardTask, Written};
 
 /// Takes a free planned shard, if any, and writes it. `None`: nothing to help with.
 pub async fn help(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Option<Step>> {
-    let Some((job, shard)) = shard_plan::claim_any(&deps.pool, worker_id, deps.config.lease_ttl).await? else {
+    let resting = deps.scan.resting().tenants;
+    let Some((job, shard)) = shard_plan::claim_any(&deps.pool, worker_id, deps.config.lease_ttl, &resting).await?
+    else {
         return Ok(None);
     };
     let lease = shard.lease(job.id);

@@ -160,11 +160,9 @@ fn count(step: &Step) {
 pub async fn drain(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Vec<Step>> {
     let (_keep, shutdown) = watch::channel(false);
     let mut steps = Vec::new();
-    let mut throttled = Throttle::default();
     loop {
         match run_next_job(deps, worker_id, &shutdown).await? {
             Outcome::Ran(step) => {
-                throttled.after(&step, deps.config.poll_interval).await;
                 if !matches!(step, Step::Yielded | Step::Throttled { .. } | Step::Waiting) {
                     steps.push(step);
                 }
@@ -173,39 +171,27 @@ pub async fn drain(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Vec<Ste
             Outcome::Idle if shard_plan::being_planned(&deps.pool).await? => {
                 tokio::time::sleep(deps.config.poll_interval / 10).await;
             }
+            // A throttled export waits for its tenant's budget: not done yet.
+            Outcome::Idle if deps.scan.resting().soonest_end.is_some() => {
+                tokio::time::sleep(idle_wait(deps)).await;
+            }
             Outcome::Idle => return Ok(steps),
         }
     }
 }
 
-/// A throttled job is given back so the worker can serve another tenant; when the next claim is
-/// throttled too, nothing else is waiting, so the worker sleeps instead of spinning.
-#[derive(Default)]
-struct Throttle {
-    previous: bool,
-}
-
-impl Throttle {
-    async fn after(&mut self, step: &Step, at_most: Duration) {
-        match step {
-            Step::Throttled { wait } => {
-                if self.previous {
-                    tokio::time::sleep((*wait).min(at_most)).await;
-                }
-                self.previous = true;
-            }
-            _ => self.previous = false,
-        }
-    }
+/// How long an idle worker waits before looking again: until a resting tenant may read again,
+/// if that comes first (its throttled export is claimable then).
+fn idle_wait(deps: &WorkerDeps) -> Duration {
+    let poll = deps.config.poll_interval;
+    deps.scan.resting().soonest_end.map_or(poll, |end| end.min(poll))
 }
 
 /// One worker loop: run jobs, poll when idle, stop (releasing its lease) on shutdown.
 pub async fn run_worker(deps: WorkerDeps, worker_id: String, mut shutdown: watch::Receiver<bool>) {
-    let mut throttled = Throttle::default();
     while !*shutdown.borrow() {
         let idle = match run_next_job(&deps, &worker_id, &shutdown).await {
             Ok(Outcome::Ran(step)) => {
-                throttled.after(&step, deps.config.poll_interval).await;
                 if !matches!(step, Step::Yielded | Step::Throttled { .. } | Step::Waiting) {
                     tracing::info!(worker = %worker_id, outcome = ?step, "job run ended");
                 }
@@ -223,7 +209,7 @@ pub async fn run_worker(deps: WorkerDeps, worker_id: String, mut shutdown: watch
         };
         if idle {
             tokio::select! {
-                _ = tokio::time::sleep(deps.config.poll_interval) => {}
+                _ = tokio::time::sleep(idle_wait(&deps)) => {}
                 _ = shutdown.changed() => {}
             }
         }

@@ -96,8 +96,10 @@ impl ClaimedExport {
     pub async fn claim(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Option<ClaimedExport>> {
         let limits: Vec<(String, i32)> =
             deps.registry.tenants().map(|t| (t.id.to_string(), t.quota.max_running_exports as i32)).collect();
-        let claimed =
-            fenced::claim(&deps.pool, worker_id, deps.config.lease_ttl, &limits).await.context("claiming a job")?;
+        let resting = deps.scan.resting().tenants;
+        let claimed = fenced::claim(&deps.pool, worker_id, deps.config.lease_ttl, &limits, &resting)
+            .await
+            .context("claiming a job")?;
         let Some(fenced::Claimed { job, was_yielded }) = claimed else {
             return Ok(None);
         };

@@ -235,7 +235,12 @@ fn take_sql(worker: u8, ttl: u8) -> String {
 
 /// A worker with no job of its own helps: it takes a free planned shard of a running full
 /// export, tenants served round-robin like job claims (and serialized with them).
-pub async fn claim_any(pool: &PgPool, worker: &str, ttl: Duration) -> sqlx::Result<Option<(ExportJob, PlannedShard)>> {
+pub async fn claim_any(
+    pool: &PgPool,
+    worker: &str,
+    ttl: Duration,
+    resting: &[String],
+) -> sqlx::Result<Option<(ExportJob, PlannedShard)>> {
     let mut tx = pool.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(CLAIM_LOCK).execute(&mut *tx).await?;
     let taken: Option<(Uuid, PlannedShard)> = sqlx::query_as::<_, (Uuid, i32, Option<String>, Option<String>, Option<i64>, i32, i32)>(
@@ -249,7 +254,7 @@ pub async fn claim_any(pool: &PgPool, worker: &str, ttl: Duration) -> sqlx::Resu
                      SELECT p.export_id, p.shard_index FROM export_shard_plan p
                      WHERE p.export_id = j.id AND {FREE}
                      ORDER BY p.shard_index LIMIT 2) c
-                 WHERE j.state = 'RUNNING' AND j.mode = 'full'),
+                 WHERE j.state = 'RUNNING' AND j.mode = 'full' AND j.tenant <> ALL($3::text[])),
              chosen AS (
                  SELECT p.export_id, p.shard_index FROM export_shard_plan p
                  JOIN ranked r ON (r.export_id, r.shard_index) = (p.export_id, p.shard_index)
@@ -264,6 +269,7 @@ pub async fn claim_any(pool: &PgPool, worker: &str, ttl: Duration) -> sqlx::Resu
     )
     .bind(worker)
     .bind(millis(ttl))
+    .bind(resting)
     .fetch_optional(&mut *tx)
     .await?
     .map(|(id, shard_index, after_key, last_key, rows, writer_attempt, takeovers)| {

@@ -3,12 +3,16 @@
 //! rate divided by the live worker processes, see [`crate::cluster`]). A shard takes its budget up
 //! front when it starts; a worker whose tenant is over its rate there gives the job back and
 //! serves another tenant meanwhile. Rows beyond one second's worth are waited for page by page.
+//!
+//! A tenant found over its rate *rests* until its budget is back: this process's claims pass
+//! over its jobs and shards meanwhile and an otherwise idle worker sleeps until the rest ends,
+//! so a throttled export is claimed once per budget, not again and again while it cannot start.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultDirectRateLimiter, RateLimiter};
@@ -25,13 +29,28 @@ pub struct ScanLimits {
     per_tenant: RwLock<Arc<Buckets>>,
     rates: HashMap<TenantId, u32>,
     share: AtomicU32,
+    /// Tenants found over their rate, and when their budget is back.
+    resting: Mutex<HashMap<String, Instant>>,
+}
+
+/// The tenants whose exports this process should not claim now, and the soonest any of them
+/// may go on.
+#[derive(Debug, Default, PartialEq)]
+pub struct Resting {
+    pub tenants: Vec<String>,
+    pub soonest_end: Option<Duration>,
 }
 
 impl ScanLimits {
     pub fn new(registry: &Registry) -> ScanLimits {
         let rates: HashMap<TenantId, u32> =
             registry.tenants().map(|t| (t.id.clone(), t.quota.scan_rows_per_second.min(MAX_RATE))).collect();
-        ScanLimits { per_tenant: RwLock::new(Arc::new(buckets(&rates, 1))), rates, share: AtomicU32::new(1) }
+        ScanLimits {
+            per_tenant: RwLock::new(Arc::new(buckets(&rates, 1))),
+            rates,
+            share: AtomicU32::new(1),
+            resting: Mutex::new(HashMap::new()),
+        }
     }
 
     /// Splits every tenant's scan rate between `processes` live worker processes.
@@ -53,9 +72,35 @@ impl ScanLimits {
         let take = rows.min(u64::from(burst.get())) as u32;
         let Some(cells) = NonZeroU32::new(take) else { return Ok(0) };
         match limiter.check_n(cells) {
-            Ok(Ok(())) => Ok(u64::from(take)),
-            Ok(Err(not_until)) => Err(not_until.wait_time_from(DefaultClock::default().now())),
+            Ok(Ok(())) => {
+                if take == burst.get() {
+                    // The whole second's worth was there and is now spent: the bucket is empty and
+                    // full again in one second, so rest until then rather than claim in vain.
+                    self.rest(tenant, Duration::from_secs(1));
+                }
+                Ok(u64::from(take))
+            }
+            Ok(Err(not_until)) => {
+                let wait = not_until.wait_time_from(DefaultClock::default().now());
+                self.rest(tenant, wait);
+                Err(wait)
+            }
             Err(_) => Ok(0), // cannot happen: `take` never exceeds the burst
+        }
+    }
+
+    fn rest(&self, tenant: &str, wait: Duration) {
+        self.resting.lock().expect("not poisoned").insert(tenant.to_owned(), Instant::now() + wait);
+    }
+
+    /// The tenants resting now (their rests that ended are forgotten).
+    pub fn resting(&self) -> Resting {
+        let now = Instant::now();
+        let mut resting = self.resting.lock().expect("not poisoned");
+        resting.retain(|_, until| *until > now);
+        Resting {
+            tenants: resting.keys().cloned().collect(),
+            soonest_end: resting.values().min().map(|until| until.duration_since(now)),
         }
     }
 
@@ -98,5 +143,8 @@ mod tests {
         let wait = limits.try_acquire("initech", 200).unwrap_err();
         assert!(wait > Duration::from_millis(500), "{wait:?}");
         assert_eq!(limits.try_acquire("nobody", 5), Ok(5), "unknown tenants are not limited");
+        let resting = limits.resting();
+        assert_eq!(resting.tenants, ["initech"], "the refused tenant rests");
+        assert!(resting.soonest_end.is_some_and(|end| end <= wait), "{resting:?}");
     }
 }
