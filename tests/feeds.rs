@@ -278,6 +278,19 @@ async fn deletes_are_tombstones_and_row_filters_turn_into_enter_and_leave(pool: 
         ops(&changes),
         pairs(&[("upsert", "enters"), ("delete", "gone"), ("delete", "leaves"), ("delete", "updated-then-gone")])
     );
+
+    // Windows cut before their keys carried the version live at the end read the same.
+    let (admin_changes, _) = app.pull_all(&admin, "tickets", &admin_start, 2).await;
+    // (Admin and partner may read one window or two: their cursors are taken a moment apart.)
+    let (keys, without_version): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(*) FILTER (WHERE version_id IS NULL) FROM feed_window_keys")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert!(keys >= 6 && without_version == 0, "{keys} keys, {without_version} without their version");
+    sqlx::query("UPDATE feed_window_keys SET version_id = NULL").execute(&app.pool).await.unwrap();
+    assert_eq!(app.pull_all(&admin, "tickets", &admin_start, 2).await.0, admin_changes);
+    assert_eq!(app.pull_all(&partner, "tickets", &partner_start, 100).await.0, changes);
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -426,6 +439,7 @@ async fn old_history_is_collected_except_what_a_live_export_still_reads(pool: Pg
     let app = TestApp::spawn(pool).await;
     let token = app.token("acme", "alice");
     let mut conn = app.pool.acquire().await.unwrap();
+    let before = app.cursor_now(&token, "tickets").await;
     upsert(&mut conn, "kept", "v1", "emea").await;
     upsert(&mut conn, "protected", "as exported", "emea").await;
     upsert(&mut conn, "deleted", "v1", "emea").await;
@@ -437,12 +451,25 @@ async fn old_history_is_collected_except_what_a_live_export_still_reads(pool: Pg
     let start = app.cursor_now(&token, "tickets").await;
     seal(&app).await;
     assert_eq!(versions(&app.pool).await, 6);
+    // A partner read those changes (kept and protected; deleted came and went): the window is
+    // cut and its three keys stored. A later tick follows.
+    let read = app.get(Some(&token), &format!("/v1/datasets/tickets/changes?cursor={before}")).await;
+    assert_eq!(read.json::<Value>().await.unwrap()["changes"].as_array().unwrap().len(), 2);
+    seal(&app).await;
+    let window_keys = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM feed_window_keys").fetch_one(&app.pool).await.unwrap()
+    };
+    assert_eq!(window_keys().await, 3);
 
     app.clock.advance(std::time::Duration::from_secs(31 * 86_400));
     let store = app.store.clone();
     let gc = || exportd::cleaner::run_once(&app.pool, &store, &app.registry, app.clock.now());
-    // The queued export, sealed before every change above, still reads all the old versions.
-    assert_eq!(gc().await.unwrap().versions_collected, 0);
+    // The queued export, sealed before every change above, still reads all the old versions;
+    // the window read before goes, with its keys.
+    let collected = gc().await.unwrap();
+    assert_eq!(collected.versions_collected, 0);
+    assert_eq!(collected.windows_collected, 1);
+    assert_eq!(window_keys().await, 0);
     assert_eq!(app.drain().await, vec![Step::Published]);
     let shard = &app.own_shard_files(&queued).await[0];
     let text = String::from_utf8(common::gunzip(shard)).unwrap();

@@ -109,37 +109,103 @@ async fn collect<T>(
     page: &mut Filling<T>,
     wrap: impl Fn(Change) -> T,
 ) -> sqlx::Result<Option<String>> {
-    let (limit, out, bytes) = (page.limit, &mut page.items, &mut page.bytes);
+    use futures_util::TryStreamExt;
     let mut after = after.to_owned();
     loop {
         // Without a row filter every key is a change: one read of what is missing suffices.
-        let batch = (limit - out.len()).max(SCAN_BATCH);
-        let keys: Vec<String> = sqlx::query_scalar(
-            "SELECT key FROM feed_window_keys WHERE window_id = $1 AND key > $2 ORDER BY key LIMIT $3",
-        )
-        .bind(window.id)
-        .bind(&after)
-        .bind(batch as i64)
-        .fetch_all(pool)
-        .await?;
-        let (changes, full) = window_changes(pool, feed, window, &keys, PAGE_BYTES.saturating_sub(*bytes)).await?;
-        let mut last = None;
-        for change in changes {
-            *bytes += change.bytes();
-            last = Some(change.key.clone());
-            out.push(wrap(change));
-            if out.len() == limit {
-                return Ok(last);
+        let batch = (page.limit - page.items.len()).max(SCAN_BATCH);
+        // Walk the window's key index even where statistics are missing (a window just cut).
+        let mut tx = crate::records::in_key_order(pool).await?;
+        let mut rows = window_changes(&mut tx, feed, window, &after, batch);
+        let (mut read, mut last_read) = (0, None);
+        while let Some(row) = rows.try_next().await? {
+            read += 1;
+            last_read = Some(row.key.clone());
+            let Some(change) = row.change() else { continue };
+            page.bytes += change.bytes();
+            let last = change.key.clone();
+            page.items.push(wrap(change));
+            if page.items.len() == page.limit || page.bytes >= PAGE_BYTES {
+                return Ok(Some(last));
             }
         }
-        if full {
-            return Ok(last);
-        }
-        match keys.last() {
-            Some(last) if keys.len() == batch => after = last.clone(),
+        drop(rows);
+        tx.commit().await?;
+        match last_read {
+            Some(key) if read == batch => after = key,
             _ => return Ok(None),
         }
     }
+}
+
+/// One changed key of a window, as read: its data at the window's end if it matches the
+/// partner's row filter there, and whether it matched at the window's start.
+#[derive(sqlx::FromRow)]
+struct KeyState {
+    key: String,
+    data: Option<String>,
+    matches_at_end: bool,
+    matched_at_start: bool,
+}
+
+impl KeyState {
+    /// Upsert when the record exists and matches at the end, delete when it matched at the
+    /// start but no longer does, nothing otherwise (created and deleted within the window, or
+    /// never visible to this partner).
+    fn change(self) -> Option<Change> {
+        if self.matches_at_end {
+            let data = self.data.and_then(|d| RawValue::from_string(d).ok());
+            Some(Change { op: Op::Upsert, key: self.key, data })
+        } else if self.matched_at_start {
+            Some(Change { op: Op::Delete, key: self.key, data: None })
+        } else {
+            None
+        }
+    }
+}
+
+/// Up to `limit` of `window`'s changed keys after `after`, in key order, with their states. The
+/// version live at the end is read by the id stored when the window was cut (windows cut before
+/// ids were stored search the key's versions); the start is looked at only when the end does not
+/// decide (a delete, or a record outside the row filter), and data is rendered only for records
+/// the partner receives.
+fn window_changes<'a>(
+    conn: &'a mut sqlx::PgConnection,
+    feed: &'a Feed<'_>,
+    window: &'a Window,
+    after: &'a str,
+    limit: usize,
+) -> futures_util::stream::BoxStream<'a, sqlx::Result<KeyState>> {
+    sqlx::query_as::<_, KeyState>(
+        "SELECT k.key, CASE WHEN e.data @> $7 THEN e.data::text END AS data,
+                coalesce(e.data @> $7, false) AS matches_at_end, s.data IS NOT NULL AS matched_at_start
+         FROM feed_window_keys k
+         LEFT JOIN LATERAL (
+             SELECT v.data FROM record_versions v WHERE v.id = k.version_id
+             UNION ALL
+             SELECT v.data FROM record_versions v
+             WHERE k.version_id IS NULL AND v.tenant = $4 AND v.dataset = $5 AND v.key = k.key
+               AND exportd_live_at(v.created_xid, v.closed_xid, $8::pg_snapshot)
+             LIMIT 1) e ON true
+         LEFT JOIN LATERAL (
+             SELECT v.data FROM record_versions v
+             WHERE NOT coalesce(e.data @> $7, false)
+               AND v.tenant = $4 AND v.dataset = $5 AND v.key = k.key AND v.data IS NOT NULL
+               AND v.data @> $7 AND exportd_live_at(v.created_xid, v.closed_xid, $6::pg_snapshot)
+             LIMIT 1) s ON true
+         WHERE k.window_id = $1 AND k.key > $2
+         ORDER BY k.key
+         LIMIT $3",
+    )
+    .bind(window.id)
+    .bind(after)
+    .bind(limit as i64)
+    .bind(feed.tenant)
+    .bind(feed.dataset)
+    .bind(&window.from_snapshot)
+    .bind(feed.row_filter)
+    .bind(&window.to_snapshot)
+    .fetch(conn)
 }
 
 /// A position inside a chain of windows: the window and the last key read in it.
@@ -212,58 +278,4 @@ async fn window_by_id(pool: &PgPool, id: i64) -> sqlx::Result<Option<Window>> {
     .bind(id)
     .fetch_optional(pool)
     .await
-}
-
-/// The changes of `keys` (sorted) in `window`: upsert when the record exists and matches at the
-/// end, delete when it matched at the start but no longer does, nothing otherwise (created and
-/// deleted within the window, or never visible to this partner). Rows are streamed and reading
-/// stops once the changes hold `max_bytes`; the `bool` says whether it stopped early.
-async fn window_changes(
-    pool: &PgPool,
-    feed: &Feed<'_>,
-    window: &Window,
-    keys: &[String],
-    max_bytes: usize,
-) -> sqlx::Result<(Vec<Change>, bool)> {
-    use futures_util::TryStreamExt;
-    if keys.is_empty() {
-        return Ok((Vec::new(), false));
-    }
-    // One index probe per key reads all its versions and keeps the one live at each end; data
-    // is rendered only for records the partner receives.
-    let mut rows = sqlx::query_as::<_, (String, Option<String>, bool, bool)>(
-        "SELECT k.key, CASE WHEN s.b_data @> $6 THEN s.b_data::text END,
-                coalesce(s.b_data @> $6, false), coalesce(s.a_data @> $6, false)
-         FROM unnest($3::text[]) WITH ORDINALITY AS k(key, n)
-         LEFT JOIN LATERAL (
-             SELECT (array_agg(v.data) FILTER (WHERE exportd_live_at(v.created_xid, v.closed_xid, $4::pg_snapshot)))[1] AS a_data,
-                    (array_agg(v.data) FILTER (WHERE exportd_live_at(v.created_xid, v.closed_xid, $5::pg_snapshot)))[1] AS b_data
-             FROM record_versions v
-             WHERE v.tenant = $1 AND v.dataset = $2 AND v.key = k.key AND v.data IS NOT NULL) s ON true
-         ORDER BY k.n",
-    )
-    .bind(feed.tenant)
-    .bind(feed.dataset)
-    .bind(keys)
-    .bind(&window.from_snapshot)
-    .bind(&window.to_snapshot)
-    .bind(feed.row_filter)
-    .fetch(pool);
-    let (mut changes, mut bytes) = (Vec::new(), 0usize);
-    while let Some((key, data, matches_at_end, matched_at_start)) = rows.try_next().await? {
-        let change = if matches_at_end {
-            let data = data.and_then(|d| RawValue::from_string(d).ok());
-            Change { op: Op::Upsert, key, data }
-        } else if matched_at_start {
-            Change { op: Op::Delete, key, data: None }
-        } else {
-            continue;
-        };
-        bytes += change.bytes();
-        changes.push(change);
-        if bytes >= max_bytes {
-            return Ok((changes, true));
-        }
-    }
-    Ok((changes, false))
 }

@@ -66,16 +66,22 @@ pub async fn collect(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sql
         }
     }
     // Windows before the horizon, unless a live incremental export may still be reading its chain.
-    collected.windows = sqlx::query(
-        "DELETE FROM feed_windows WHERE tenant = $1 AND to_tick < $2
-           AND NOT EXISTS (SELECT 1 FROM export_jobs WHERE tenant = $1 AND start_from IS NOT NULL
-                             AND state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED'))",
+    // A window's keys go with it (they have no foreign key: checking one per key made cutting
+    // a window of a million keys three times slower).
+    let windows: i64 = sqlx::query_scalar(
+        "WITH gone AS (
+             DELETE FROM feed_windows WHERE tenant = $1 AND to_tick < $2
+               AND NOT EXISTS (SELECT 1 FROM export_jobs WHERE tenant = $1 AND start_from IS NOT NULL
+                                 AND state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED'))
+             RETURNING id),
+         keys AS (DELETE FROM feed_window_keys k USING gone WHERE k.window_id = gone.id)
+         SELECT count(*) FROM gone",
     )
     .bind(tenant.id.as_str())
     .bind(horizon_tick)
-    .execute(pool)
-    .await?
-    .rows_affected();
+    .fetch_one(pool)
+    .await?;
+    collected.windows = windows as u64;
     Ok(collected)
 }
 

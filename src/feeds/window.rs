@@ -74,6 +74,8 @@ pub async fn next_window(
     .fetch_optional(&mut *tx)
     .await?;
     let Some(end) = end else { return Ok(None) };
+    // Compiling the cut's plan (JIT, chosen for its million-row estimates) costs more than it saves.
+    sqlx::query("SET LOCAL jit = off").execute(&mut *tx).await?;
     // A concurrent reader cutting the same window waits here on the unique constraint and then
     // finds this one.
     let created: Option<i64> = sqlx::query_scalar(
@@ -87,21 +89,27 @@ pub async fn next_window(
     .fetch_optional(&mut *tx)
     .await?;
     if let Some(id) = created {
-        // Keys changed by a transaction visible at the end and not at the start. Two index-range
-        // branches (PgQ's trick): xids from the start's xmax to the end's xmax, plus the short
-        // list of transactions that were running at the start.
-        sqlx::query(
+        // Keys changed by a transaction visible at the end and not at the start, each with its
+        // version live at the end (one per key, so no de-duplication). Two index-range branches
+        // (PgQ's trick): xids from the start's xmax to the end's xmax, plus the short list of
+        // transactions that were running at the start. Inserted in key order: the index grows
+        // at its right edge.
+        let keys = sqlx::query(
             "WITH bounds AS (SELECT $4::pg_snapshot AS a, snapshot AS b FROM feed_ticks WHERE id = $5),
              changed AS (
-                 SELECT v.key, v.created_xid FROM record_versions v, bounds
+                 SELECT v.key, v.id, v.created_xid, v.closed_xid FROM record_versions v, bounds
                  WHERE v.tenant = $2 AND v.dataset = $3
                    AND v.created_xid >= pg_snapshot_xmax(bounds.a) AND v.created_xid < pg_snapshot_xmax(bounds.b)
                  UNION ALL
-                 SELECT v.key, v.created_xid FROM record_versions v, bounds, pg_snapshot_xip(bounds.a) AS running(xid)
+                 SELECT v.key, v.id, v.created_xid, v.closed_xid
+                 FROM record_versions v, bounds, pg_snapshot_xip(bounds.a) AS running(xid)
                  WHERE v.tenant = $2 AND v.dataset = $3 AND v.created_xid = running.xid)
-             INSERT INTO feed_window_keys (window_id, key)
-             SELECT DISTINCT $1::bigint, c.key FROM changed c, bounds
-             WHERE pg_visible_in_snapshot(c.created_xid, bounds.b) AND NOT pg_visible_in_snapshot(c.created_xid, bounds.a)",
+             INSERT INTO feed_window_keys (window_id, key, version_id)
+             SELECT $1::bigint, c.key, c.id FROM changed c, bounds
+             WHERE exportd_live_at(c.created_xid, c.closed_xid, bounds.b)
+               AND NOT pg_visible_in_snapshot(c.created_xid, bounds.a)
+             ORDER BY c.key
+             ON CONFLICT ON CONSTRAINT feed_window_keys_pkey DO NOTHING",
         )
         .bind(id)
         .bind(tenant)
@@ -109,13 +117,13 @@ pub async fn next_window(
         .bind(from)
         .bind(end)
         .execute(&mut *tx)
-        .await?;
-        sqlx::query(
-            "UPDATE feed_windows SET keys = (SELECT count(*) FROM feed_window_keys WHERE window_id = $1) WHERE id = $1",
-        )
-        .bind(id)
-        .execute(&mut *tx)
-        .await?;
+        .await?
+        .rows_affected();
+        sqlx::query("UPDATE feed_windows SET keys = $2 WHERE id = $1")
+            .bind(id)
+            .bind(keys as i64)
+            .execute(&mut *tx)
+            .await?;
     }
     tx.commit().await?;
     existing(pool, tenant, dataset, from).await
