@@ -486,3 +486,38 @@ async fn old_history_is_collected_except_what_a_live_export_still_reads(pool: Pg
     upsert(&mut conn, "deleted", "reborn", "emea").await;
     assert_eq!(committed_state(&app.pool).await.len(), 3);
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_caught_up_partner_polling_keeps_no_empty_windows(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let token = app.token("acme", "alice");
+    let poll = async |cursor: &str| -> Value {
+        let response = app.get(Some(&token), &format!("/v1/datasets/tickets/changes?cursor={cursor}")).await;
+        assert_eq!(response.status(), 200);
+        response.json().await.unwrap()
+    };
+    let windows =
+        async || -> i64 { sqlx::query_scalar("SELECT count(*) FROM feed_windows").fetch_one(&app.pool).await.unwrap() };
+    let mut cursor = app.cursor_now(&token, "tickets").await;
+    for _ in 0..5 {
+        // Other work goes on (here: a transaction that writes nothing of acme's), so each tick
+        // is a newer snapshot and each poll finds a new, empty window.
+        sqlx::query("SELECT pg_current_xact_id()").execute(&app.pool).await.unwrap();
+        seal(&app).await;
+        let page = poll(&cursor).await;
+        assert_eq!((page["changes"].as_array().unwrap().len(), &page["end_of_stream"]), (0, &json!(true)));
+        let next = page["next_cursor"].as_str().unwrap().to_owned();
+        assert_ne!(next, cursor, "the cursor moves past the empty window");
+        cursor = next;
+    }
+    assert_eq!(windows().await, 0, "a window without changes is not kept");
+
+    let mut conn = app.pool.acquire().await.unwrap();
+    upsert(&mut conn, "t-new", "after the quiet", "emea").await;
+    seal(&app).await;
+    let page = poll(&cursor).await;
+    assert_eq!(ops(page["changes"].as_array().unwrap()), pairs(&[("upsert", "t-new")]));
+    assert_eq!(windows().await, 1);
+    // Re-reading the same cursor reads the same kept window.
+    assert_eq!(poll(&cursor).await["changes"], page["changes"]);
+}

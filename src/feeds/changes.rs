@@ -110,6 +110,9 @@ async fn collect<T>(
     wrap: impl Fn(Change) -> T,
 ) -> sqlx::Result<Option<String>> {
     use futures_util::TryStreamExt;
+    if window.keys == 0 {
+        return Ok(None);
+    }
     let mut after = after.to_owned();
     loop {
         // Without a row filter every key is a change: one read of what is missing suffices.

@@ -4,8 +4,12 @@
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
+/// The id of a window with no changes, which is never stored.
+pub const EMPTY: i64 = 0;
+
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct Window {
+    /// [`EMPTY`] for a window without changes (not stored).
     pub id: i64,
     pub from_snapshot: String,
     /// The end tick's snapshot; the next window starts here.
@@ -119,6 +123,19 @@ pub async fn next_window(
         .execute(&mut *tx)
         .await?
         .rows_affected();
+        if keys == 0 {
+            // Nothing changed: the window is not kept. Caught-up partners polling every second
+            // would otherwise store a window a second each; a later read from `from` cuts up
+            // to a newer tick instead, which holds the same (no) changes and what came after.
+            let (to_snapshot, to_created_at): (String, OffsetDateTime) =
+                sqlx::query_as("SELECT snapshot::text, created_at FROM feed_ticks WHERE id = $1")
+                    .bind(end)
+                    .fetch_one(&mut *tx)
+                    .await?;
+            tx.rollback().await?;
+            let from_snapshot = from.to_owned();
+            return Ok(Some(Window { id: EMPTY, from_snapshot, to_snapshot, to_tick: end, to_created_at, keys: 0 }));
+        }
         sqlx::query("UPDATE feed_windows SET keys = $2 WHERE id = $1")
             .bind(id)
             .bind(keys as i64)
