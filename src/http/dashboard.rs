@@ -6,7 +6,7 @@
 use std::fmt::Write;
 
 use axum::extract::State;
-use axum::http::header::{AUTHORIZATION, CONTENT_SECURITY_POLICY, CONTENT_TYPE, LOCATION, SET_COOKIE};
+use axum::http::header::{CONTENT_SECURITY_POLICY, CONTENT_TYPE, LOCATION, SET_COOKIE};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -99,7 +99,7 @@ async fn dashboard(State(state): State<AppState>, headers: HeaderMap) -> Respons
 
 /// The bearer token of an Authorization header (API clients reading the page).
 fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers.get(AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim)
+    super::extract::bearer_token_of(headers)
 }
 
 fn admin(state: &AppState, token: &str) -> Option<Caller> {
@@ -209,6 +209,7 @@ fn escape(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::http::header::AUTHORIZATION;
 
     #[test]
     fn text_is_escaped() {
@@ -221,5 +222,7 @@ mod tests {
         assert_eq!(bearer(&headers), None);
         headers.insert(AUTHORIZATION, HeaderValue::from_static("Bearer other"));
         assert_eq!(bearer(&headers), Some("other"));
+        headers.insert(AUTHORIZATION, HeaderValue::from_static("bearer other"));
+        assert_eq!(bearer(&headers), Some("other"), "the scheme is case-insensitive, as for the API");
     }
 }

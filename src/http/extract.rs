@@ -50,6 +50,12 @@ pub fn caller_from_headers(state: &AppState, headers: &HeaderMap) -> Result<Call
     Ok(caller)
 }
 
+/// The bearer token of the request's `Authorization` header, if it has one — the one reading of
+/// that header for the API, the dashboard and `/metrics`.
+pub fn bearer_token_of(headers: &HeaderMap) -> Option<&str> {
+    headers.get(AUTHORIZATION).and_then(|h| h.to_str().ok()).and_then(bearer_token)
+}
+
 /// The token of an `Authorization: Bearer <token>` header (scheme is case-insensitive).
 fn bearer_token(header: &str) -> Option<&str> {
     let (scheme, token) = header.split_once(' ')?;

@@ -3,7 +3,7 @@
 //! and histograms are this process's. Optionally guarded by `EXPORTD_METRICS_TOKEN`.
 
 use axum::extract::State;
-use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
+use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use subtle::ConstantTimeEq;
@@ -15,7 +15,7 @@ use crate::exports::ExportState;
 
 pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<impl IntoResponse> {
     if let Some(expected) = &state.metrics_token {
-        let given = headers.get(AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        let given = super::extract::bearer_token_of(&headers);
         let matches = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(expected.as_bytes())));
         if !matches {
             return Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "give the metrics token"));
