@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Args;
+use secrecy::SecretString;
 
 use crate::storage::StorageLocation;
 
@@ -30,8 +31,8 @@ pub struct Settings {
     /// Server keys `kid=secret[,kid=secret…]` that sign download links and feed cursors (the first
     /// signs, all verify). Give every process the same keys; keep old keys listed while cursors
     /// signed with them may still be in use.
-    #[arg(long, env = "EXPORTD_LINK_KEYS", hide_env_values = true)]
-    pub link_keys: Option<String>,
+    #[arg(long, env = "EXPORTD_LINK_KEYS", hide_env_values = true, value_parser = secret)]
+    pub link_keys: Option<SecretString>,
 
     /// Export job lease (`serve` and `worker`): a worker that stops renewing it (killed, cut
     /// off) loses the job to another worker after this long. Shorter means faster takeover and
@@ -40,10 +41,36 @@ pub struct Settings {
     pub lease_ttl: std::time::Duration,
 }
 
+/// A secret from a flag or the environment: never shown by `Debug` (or in logs).
+pub fn secret(text: &str) -> Result<SecretString, std::convert::Infallible> {
+    Ok(SecretString::from(text.to_owned()))
+}
+
 impl Settings {
     /// Where export files are stored (see `storage`).
     pub fn storage_location(&self) -> anyhow::Result<StorageLocation> {
         StorageLocation::parse(self.storage.as_deref(), &self.data_dir, |name| std::env::var(name).ok())
             .map_err(|e| anyhow::anyhow!("EXPORTD_STORAGE: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Command {
+        #[command(flatten)]
+        settings: super::Settings,
+    }
+
+    #[test]
+    fn settings_never_show_the_server_keys() {
+        let command = Command::parse_from(["exportd", "--link-keys", "k1=very-secret-server-key-material"]);
+        let shown = format!("{:?}", command.settings);
+        assert!(!shown.contains("very-secret"), "{shown}");
+        use secrecy::ExposeSecret;
+        let keys = command.settings.link_keys.as_ref().map(|k| k.expose_secret().to_owned());
+        assert_eq!(keys.as_deref(), Some("k1=very-secret-server-key-material"));
     }
 }

@@ -12,6 +12,7 @@ use exportd::config::Settings;
 use exportd::http::ConnectionLimits;
 use exportd::server::ServeOptions;
 use exportd::tenants::Registry;
+use secrecy::SecretString;
 
 #[derive(Parser)]
 #[command(
@@ -45,8 +46,8 @@ enum Command {
         #[arg(long, env = "EXPORTD_CLEAN_EVERY", default_value = "1m", value_parser = humantime::parse_duration)]
         clean_every: Duration,
         /// When set, `GET /metrics` requires `Authorization: Bearer <token>`.
-        #[arg(long, env = "EXPORTD_METRICS_TOKEN", hide_env_values = true)]
-        metrics_token: Option<String>,
+        #[arg(long, env = "EXPORTD_METRICS_TOKEN", hide_env_values = true, value_parser = exportd::config::secret)]
+        metrics_token: Option<SecretString>,
         /// Open client connections at most (kept under RLIMIT_NOFILE minus a reserve); past it the
         /// connection silent the longest is closed.
         #[arg(long, env = "EXPORTD_MAX_CONNECTIONS", default_value_t = 4096)]

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use secrecy::{ExposeSecret, SecretString};
 use sqlx::PgPool;
 
 use tokio::sync::watch;
@@ -87,7 +88,7 @@ pub struct ServeOptions {
     pub workers: usize,
     pub link_ttl: Duration,
     pub clean_every: Duration,
-    pub metrics_token: Option<String>,
+    pub metrics_token: Option<SecretString>,
     pub connections: http::ConnectionLimits,
 }
 
@@ -207,7 +208,7 @@ pub async fn follow_shares(membership: Membership, api: Option<Arc<RateLimits>>,
 /// The keys that sign links and cursors.
 fn server_keys(settings: &Settings) -> anyhow::Result<LinkKeys> {
     match &settings.link_keys {
-        Some(spec) => LinkKeys::parse(spec).map_err(|e| anyhow::anyhow!("EXPORTD_LINK_KEYS: {e}")),
+        Some(spec) => LinkKeys::parse(spec.expose_secret()).map_err(|e| anyhow::anyhow!("EXPORTD_LINK_KEYS: {e}")),
         None => {
             tracing::warn!("EXPORTD_LINK_KEYS is not set: links and cursors signed here only verify in this process");
             Ok(LinkKeys::ephemeral())

@@ -6,6 +6,7 @@ use axum::extract::State;
 use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
+use secrecy::ExposeSecret;
 use subtle::ConstantTimeEq;
 use time::OffsetDateTime;
 
@@ -16,7 +17,8 @@ use crate::exports::ExportState;
 pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<impl IntoResponse> {
     if let Some(expected) = &state.metrics_token {
         let given = super::extract::bearer_token_of(&headers);
-        let matches = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(expected.as_bytes())));
+        let expected = expected.expose_secret().as_bytes();
+        let matches = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(expected)));
         if !matches {
             return Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "give the metrics token"));
         }

@@ -22,5 +22,5 @@ pub struct AppState {
     pub link_ttl: Duration,
     pub limits: Arc<RateLimits>,
     /// When set, `GET /metrics` requires `Authorization: Bearer <token>`.
-    pub metrics_token: Option<String>,
+    pub metrics_token: Option<secrecy::SecretString>,
 }
