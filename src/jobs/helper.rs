@@ -2,14 +2,17 @@
 //! export, so one export's shards run on every free worker slot, in any process. The helper
 //! holds only that shard's lease; the job's lease holder plans, verifies and publishes.
 
+use tracing::Instrument;
+
 use super::WorkerDeps;
 use super::ending::{self, authorized};
 use super::fenced::{Fence, LeaseLost};
 use super::heartbeat::Heartbeat;
 use super::plan::Plan;
 use super::runner::Step;
-use super::shard_plan::{self, ShardLease};
+use super::shard_plan::{self, PlannedShard, ShardLease};
 use super::shard_task::{ShardTask, Written};
+use crate::exports::ExportJob;
 
 /// Takes a free planned shard, if any, and writes it. `None`: nothing to help with.
 pub async fn help(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Option<Step>> {
@@ -18,6 +21,17 @@ pub async fn help(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Option<S
     else {
         return Ok(None);
     };
+    let span = tracing::info_span!("export", export = %job.id, tenant = %job.tenant, shard = shard.shard_index);
+    write_planned_shard(deps, worker_id, job, shard).instrument(span).await.map(Some)
+}
+
+/// Writes a planned shard of `job` under its own lease (the helper's whole part in an export).
+async fn write_planned_shard(
+    deps: &WorkerDeps,
+    worker_id: &str,
+    job: ExportJob,
+    shard: PlannedShard,
+) -> anyhow::Result<Step> {
     let lease = shard.lease(job.id);
     let index = shard.shard_index;
     tracing::debug!(export = %job.id, shard = index, attempt = lease.attempt, "helping with a shard");
@@ -30,10 +44,10 @@ pub async fn help(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Option<S
     let plan = Plan::from_job(&job)?;
     if shard.takeovers > deps.config.max_attempts {
         let detail = format!("gave up after the writers of shard {index} vanished {} times", shard.takeovers);
-        return fail("attempts-exhausted", &detail).await.map(Some);
+        return fail("attempts-exhausted", &detail).await;
     }
     if let Err(reason) = authorized(deps, &job, &plan) {
-        return fail("permission-revoked", &reason).await.map(Some);
+        return fail("permission-revoked", &reason).await;
     }
     let heartbeat = Heartbeat::new(deps, None);
     heartbeat.writing(Some(lease));
@@ -42,7 +56,7 @@ pub async fn help(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Option<S
         Ok(written) => written,
         Err(e) if ending::is_unencodable(&e) => {
             tracing::error!(export = %job.id, error = format!("{e:#}"), "a record cannot be encoded");
-            return fail("unencodable-record", ending::UNENCODABLE).await.map(Some);
+            return fail("unencodable-record", ending::UNENCODABLE).await;
         }
         Err(e) => {
             give_back(deps, lease).await;
@@ -69,7 +83,7 @@ pub async fn help(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Option<S
         // A full export's planned shard has its rows counted; neither happens.
         Written::Empty | Written::TooManyRows => fail("non-deterministic-output", "a planned shard changed").await?,
     };
-    Ok(Some(step))
+    Ok(step)
 }
 
 /// The shard goes back to be taken at once; if even that fails, its lease expiring is the fallback.

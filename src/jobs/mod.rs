@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 use tokio::sync::watch;
+use tracing::Instrument;
 
 pub use fenced::{Lease, LeaseLost};
 pub use runner::{ClaimedExport, Step};
@@ -86,7 +87,7 @@ pub async fn run_next_job(
     worker_id: &str,
     shutdown: &watch::Receiver<bool>,
 ) -> anyhow::Result<Outcome> {
-    let Some(mut run) = ClaimedExport::claim(deps, worker_id).await? else {
+    let Some(run) = ClaimedExport::claim(deps, worker_id).await? else {
         return match helper::help(deps, worker_id).await? {
             None => Ok(Outcome::Idle),
             Some(step) => {
@@ -98,6 +99,16 @@ pub async fn run_next_job(
             }
         };
     };
+    let span = run.span();
+    run_claimed(deps, run, shutdown).instrument(span).await
+}
+
+/// Runs a claimed export until it ends, yields or is released.
+async fn run_claimed(
+    deps: &WorkerDeps,
+    mut run: ClaimedExport,
+    shutdown: &watch::Receiver<bool>,
+) -> anyhow::Result<Outcome> {
     loop {
         if *shutdown.borrow() {
             run.release().await?;

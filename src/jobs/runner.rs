@@ -129,6 +129,12 @@ impl ClaimedExport {
         self.lease
     }
 
+    /// The span every log line of this run is recorded in: export and tenant, so one export
+    /// can be followed through the logs of any process.
+    pub fn span(&self) -> tracing::Span {
+        tracing::info_span!("export", export = %self.job.id, tenant = %self.job.tenant)
+    }
+
     /// Does the next piece of work and says what it was.
     pub async fn step(&mut self) -> anyhow::Result<Step> {
         loop {
