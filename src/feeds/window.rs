@@ -66,8 +66,8 @@ pub async fn next_window(
         Seal::UpTo(tick) => (None, Some(tick)),
     };
     let mut tx = pool.begin().await?;
-    let end: Option<i64> = sqlx::query_scalar(
-        "SELECT id FROM feed_ticks
+    let end: Option<(i64, String, OffsetDateTime)> = sqlx::query_as(
+        "SELECT id, snapshot::text, created_at FROM feed_ticks
          WHERE ($2::timestamptz IS NULL OR created_at <= $2) AND ($3::bigint IS NULL OR id <= $3)
            AND snapshot::text <> $1 AND exportd_snapshot_dominates(snapshot, $1::pg_snapshot)
          ORDER BY id DESC LIMIT 1",
@@ -77,7 +77,7 @@ pub async fn next_window(
     .bind(up_to)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some(end) = end else { return Ok(None) };
+    let Some((end, to_snapshot, to_created_at)) = end else { return Ok(None) };
     // Compiling the cut's plan (JIT, chosen for its million-row estimates) costs more than it saves.
     sqlx::query("SET LOCAL jit = off").execute(&mut *tx).await?;
     // A concurrent reader cutting the same window waits here on the unique constraint and then
@@ -127,11 +127,6 @@ pub async fn next_window(
             // Nothing changed: the window is not kept. Caught-up partners polling every second
             // would otherwise store a window a second each; a later read from `from` cuts up
             // to a newer tick instead, which holds the same (no) changes and what came after.
-            let (to_snapshot, to_created_at): (String, OffsetDateTime) =
-                sqlx::query_as("SELECT snapshot::text, created_at FROM feed_ticks WHERE id = $1")
-                    .bind(end)
-                    .fetch_one(&mut *tx)
-                    .await?;
             tx.rollback().await?;
             let from_snapshot = from.to_owned();
             return Ok(Some(Window { id: EMPTY, from_snapshot, to_snapshot, to_tick: end, to_created_at, keys: 0 }));

@@ -58,32 +58,24 @@ pub fn add_common_responses(doc: &mut utoipa::openapi::OpenApi) {
         .required("status")
         .required("code");
     components.schemas.insert("Problem".to_owned(), problem.into());
-    for item in doc.paths.paths.values_mut() {
-        let operations =
-            [&mut item.get, &mut item.post, &mut item.put, &mut item.delete, &mut item.head, &mut item.patch];
-        for operation in operations.into_iter().flatten() {
-            let authenticated = operation.security.as_ref().is_some_and(|s| !s.is_empty());
-            let takes_input = operation.parameters.as_ref().is_some_and(|p| !p.is_empty());
-            let has_body = operation.request_body.is_some();
-            // Downloads authenticate with a signed link instead of a bearer token; only
-            // `/healthz` (no input, no token) is outside the limits.
-            let limited = authenticated || takes_input;
-            let common = [
-                (authenticated, "401", "missing, malformed, expired or revoked bearer token"),
-                (limited, "429", "over a rate or concurrency limit; `Retry-After` says when to try again"),
-                (limited, "503", "the database or object store is unreachable; nothing changed; `Retry-After`"),
-                (takes_input || has_body, "400", "an invalid parameter or body; `field` names it"),
-                (has_body, "413", "the body is larger than the server accepts"),
-                (has_body, "415", "the body is not `application/json`"),
-            ];
-            for (applies, status, description) in common {
-                if applies {
-                    operation
-                        .responses
-                        .responses
-                        .entry(status.to_owned())
-                        .or_insert_with(|| problem_response(description));
-                }
+    for operation in operations_mut(doc) {
+        let authenticated = operation.security.as_ref().is_some_and(|s| !s.is_empty());
+        let takes_input = operation.parameters.as_ref().is_some_and(|p| !p.is_empty());
+        let has_body = operation.request_body.is_some();
+        // Downloads authenticate with a signed link instead of a bearer token; only
+        // `/healthz` (no input, no token) is outside the limits.
+        let limited = authenticated || takes_input;
+        let common = [
+            (authenticated, "401", "missing, malformed, expired or revoked bearer token"),
+            (limited, "429", "over a rate or concurrency limit; `Retry-After` says when to try again"),
+            (limited, "503", "the database or object store is unreachable; nothing changed; `Retry-After`"),
+            (takes_input || has_body, "400", "an invalid parameter or body; `field` names it"),
+            (has_body, "413", "the body is larger than the server accepts"),
+            (has_body, "415", "the body is not `application/json`"),
+        ];
+        for (applies, status, description) in common {
+            if applies {
+                operation.responses.responses.entry(status.to_owned()).or_insert_with(|| problem_response(description));
             }
         }
     }
@@ -178,25 +170,20 @@ pub fn add_links(doc: &mut utoipa::openapi::OpenApi) {
             parameters: &[SAME_DATASET, ("cursor", "$response.body#/cursor")],
         },
     ];
-    for item in doc.paths.paths.values_mut() {
-        let operations =
-            [&mut item.get, &mut item.post, &mut item.put, &mut item.delete, &mut item.head, &mut item.patch];
-        for operation in operations.into_iter().flatten() {
-            let Some(id) = operation.operation_id.clone() else { continue };
-            for link in links.iter().filter(|link| link.from == id) {
-                for status in link.statuses {
-                    let Some(utoipa::openapi::RefOr::T(response)) = operation.responses.responses.get_mut(*status)
-                    else {
-                        panic!("{} declares no {status} response to link from", link.from);
-                    };
-                    let built = link
-                        .parameters
-                        .iter()
-                        .fold(utoipa::openapi::link::LinkBuilder::new().operation_id(link.to), |built, (k, v)| {
-                            built.parameter(*k, *v)
-                        });
-                    response.links.insert(link.name.to_owned(), built.build().into());
-                }
+    for operation in operations_mut(doc) {
+        let Some(id) = operation.operation_id.clone() else { continue };
+        for link in links.iter().filter(|link| link.from == id) {
+            for status in link.statuses {
+                let Some(utoipa::openapi::RefOr::T(response)) = operation.responses.responses.get_mut(*status) else {
+                    panic!("{} declares no {status} response to link from", link.from);
+                };
+                let built = link
+                    .parameters
+                    .iter()
+                    .fold(utoipa::openapi::link::LinkBuilder::new().operation_id(link.to), |built, (k, v)| {
+                        built.parameter(*k, *v)
+                    });
+                response.links.insert(link.name.to_owned(), built.build().into());
             }
         }
     }
@@ -209,6 +196,15 @@ struct OperationLink {
     name: &'static str,
     to: &'static str,
     parameters: &'static [(&'static str, &'static str)],
+}
+
+/// Every operation of the document.
+fn operations_mut(doc: &mut utoipa::openapi::OpenApi) -> impl Iterator<Item = &mut utoipa::openapi::path::Operation> {
+    doc.paths.paths.values_mut().flat_map(|item| {
+        [&mut item.get, &mut item.post, &mut item.put, &mut item.delete, &mut item.head, &mut item.patch]
+            .into_iter()
+            .flatten()
+    })
 }
 
 fn problem_response(description: &str) -> utoipa::openapi::RefOr<utoipa::openapi::Response> {
