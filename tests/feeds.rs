@@ -521,3 +521,80 @@ async fn a_caught_up_partner_polling_keeps_no_empty_windows(pool: PgPool) {
     // Re-reading the same cursor reads the same kept window.
     assert_eq!(poll(&cursor).await["changes"], page["changes"]);
 }
+
+/// Keys stored for all windows.
+async fn stored_window_keys(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM feed_window_keys").fetch_one(pool).await.unwrap()
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn readers_at_many_starts_share_windows_so_storage_grows_with_changes_not_readers(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let token = app.token("acme", "alice");
+    let mut conn = app.pool.acquire().await.unwrap();
+    // Sixty cursors a moment apart, a write after each, a tick after every ten.
+    let mut cursors = Vec::new();
+    for i in 0..60 {
+        cursors.push(app.cursor_now(&token, "tickets").await);
+        upsert(&mut conn, &format!("early-{i:02}"), "v1", "emea").await;
+        if i % 10 == 9 {
+            app.tick().await;
+        }
+    }
+    sqlx::query(
+        "SELECT exportd_upsert('acme', 'tickets', 'late-' || lpad(g::text, 4, '0'),
+                               jsonb_build_object('subject', 'late', 'status', 'open', 'region', 'emea'))
+         FROM generate_series(1, 1000) g",
+    )
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    seal(&app).await;
+    // Newest cursor first: each used to cut a window of its own from its start (60 × ~1000 keys).
+    for (i, cursor) in cursors.iter().enumerate().rev() {
+        let (changes, _) = app.pull_all(&token, "tickets", cursor, 700).await;
+        let mut expected: Vec<String> = (i..60).map(|j| format!("early-{j:02}")).collect();
+        expected.extend((1..=1000).map(|j| format!("late-{j:04}")));
+        let keys: Vec<String> = changes.iter().map(|c| c["key"].as_str().unwrap().to_owned()).collect();
+        assert_eq!(keys.len(), expected.len(), "cursor {i}");
+        assert_eq!(keys, expected, "cursor {i}: exactly the changes after it, in window and key order");
+    }
+    // Each change is stored once, in the one window its transaction falls in.
+    assert_eq!(stored_window_keys(&app.pool).await, 1060);
+    let (windows, exact): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(*) FILTER (WHERE from_tick IS NULL) FROM feed_windows")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    // The newest cursor's reader cut from the tick before it to the end; each older reader
+    // filled the gap from its own tick up to the next window: six windows, none overlapping.
+    assert_eq!((windows, exact), (6, 0));
+    // Pulled again in the other order, every reader reads the same changes from the same windows.
+    let first = app.pull_all(&token, "tickets", &cursors[0], 1000).await.0;
+    assert_eq!(first.len(), 1060);
+    assert_eq!(app.pull_all(&token, "tickets", &cursors[30], 7).await.0.len(), 1030);
+    assert_eq!(stored_window_keys(&app.pool).await, 1060);
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_cursor_older_than_every_tick_reads_a_window_of_its_own_then_shared_ones(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let token = app.token("acme", "alice");
+    sqlx::query("DELETE FROM feed_ticks").execute(&app.pool).await.unwrap();
+    let mut conn = app.pool.acquire().await.unwrap();
+    let cursor = app.cursor_now(&token, "tickets").await;
+    upsert(&mut conn, "a", "first", "emea").await;
+    seal(&app).await;
+    let (changes, next) = app.pull_all(&token, "tickets", &cursor, 10).await;
+    assert_eq!(ops(&changes), pairs(&[("upsert", "a")]));
+    upsert(&mut conn, "b", "second", "emea").await;
+    seal(&app).await;
+    let (changes, _) = app.pull_all(&token, "tickets", &next, 10).await;
+    assert_eq!(ops(&changes), pairs(&[("upsert", "b")]));
+    let starts: Vec<bool> = sqlx::query_scalar("SELECT from_tick IS NULL FROM feed_windows ORDER BY id")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(starts, vec![true, false], "exact start first, then the shared chain");
+    assert_eq!(app.pull_all(&token, "tickets", &cursor, 1).await.0.len(), 2, "replayed the same");
+}

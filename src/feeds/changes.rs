@@ -8,7 +8,7 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 
 use super::cursor::Cursor;
-use super::window::{Seal, Window, next_window};
+use super::window::{Seal, Window, next_window, window_by_id};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -146,6 +146,8 @@ async fn collect<T>(
 #[derive(sqlx::FromRow)]
 struct KeyState {
     key: String,
+    /// Changed after the reader's start (every key of a window read from its own start).
+    changed: bool,
     data: Option<String>,
     matches_at_end: bool,
     matched_at_start: bool,
@@ -153,10 +155,12 @@ struct KeyState {
 
 impl KeyState {
     /// Upsert when the record exists and matches at the end, delete when it matched at the
-    /// start but no longer does, nothing otherwise (created and deleted within the window, or
-    /// never visible to this partner).
+    /// start but no longer does, nothing otherwise (unchanged since the reader's start, created
+    /// and deleted within the window, or never visible to this partner).
     fn change(self) -> Option<Change> {
-        if self.matches_at_end {
+        if !self.changed {
+            None
+        } else if self.matches_at_end {
             let data = self.data.and_then(|d| RawValue::from_string(d).ok());
             Some(Change { op: Op::Upsert, key: self.key, data })
         } else if self.matched_at_start {
@@ -169,9 +173,10 @@ impl KeyState {
 
 /// Up to `limit` of `window`'s changed keys after `after`, in key order, with their states. The
 /// version live at the end is read by the id stored when the window was cut (windows cut before
-/// ids were stored search the key's versions); the start is looked at only when the end does not
-/// decide (a delete, or a record outside the row filter), and data is rendered only for records
-/// the partner receives.
+/// ids were stored search the key's versions); a key changed after the reader's start is one
+/// whose end version its start does not see (if that version was collected, its change is older
+/// than any live cursor). The start is looked at only when the end does not decide (a delete, or
+/// a record outside the row filter), and data is rendered only for records the partner receives.
 fn window_changes<'a>(
     conn: &'a mut sqlx::PgConnection,
     feed: &'a Feed<'_>,
@@ -180,19 +185,20 @@ fn window_changes<'a>(
     limit: usize,
 ) -> futures_util::stream::BoxStream<'a, sqlx::Result<KeyState>> {
     sqlx::query_as::<_, KeyState>(
-        "SELECT k.key, CASE WHEN e.data @> $7 THEN e.data::text END AS data,
+        "SELECT k.key, coalesce(NOT pg_visible_in_snapshot(e.created_xid, $6::pg_snapshot), false) AS changed,
+                CASE WHEN e.data @> $7 THEN e.data::text END AS data,
                 coalesce(e.data @> $7, false) AS matches_at_end, s.data IS NOT NULL AS matched_at_start
          FROM feed_window_keys k
          LEFT JOIN LATERAL (
-             SELECT v.data FROM record_versions v WHERE v.id = k.version_id
+             SELECT v.data, v.created_xid FROM record_versions v WHERE v.id = k.version_id
              UNION ALL
-             SELECT v.data FROM record_versions v
+             SELECT v.data, v.created_xid FROM record_versions v
              WHERE k.version_id IS NULL AND v.tenant = $4 AND v.dataset = $5 AND v.key = k.key
                AND exportd_live_at(v.created_xid, v.closed_xid, $8::pg_snapshot)
              LIMIT 1) e ON true
          LEFT JOIN LATERAL (
              SELECT v.data FROM record_versions v
-             WHERE NOT coalesce(e.data @> $7, false)
+             WHERE NOT coalesce(e.data @> $7, false) AND NOT pg_visible_in_snapshot(e.created_xid, $6::pg_snapshot)
                AND v.tenant = $4 AND v.dataset = $5 AND v.key = k.key AND v.data IS NOT NULL
                AND v.data @> $7 AND exportd_live_at(v.created_xid, v.closed_xid, $6::pg_snapshot)
              LIMIT 1) s ON true
@@ -205,7 +211,7 @@ fn window_changes<'a>(
     .bind(limit as i64)
     .bind(feed.tenant)
     .bind(feed.dataset)
-    .bind(&window.from_snapshot)
+    .bind(&window.start)
     .bind(feed.row_filter)
     .bind(&window.to_snapshot)
     .fetch(conn)
@@ -233,7 +239,7 @@ pub async fn chain_page(
 ) -> sqlx::Result<(Vec<(ChainPosition, Change)>, Option<ChainPosition>, bool)> {
     let mut filling = Filling::new(limit);
     let (mut window, mut after) = match position {
-        Some(p) => (window_by_id(pool, p.window_id).await?, p.after.clone()),
+        Some(p) => (window_by_id(pool, p.window_id, from).await?, p.after.clone()),
         None => (next_window(pool, feed.tenant, feed.dataset, from, feed.seal).await?, String::new()),
     };
     while let Some(w) = window {
@@ -271,14 +277,4 @@ pub async fn chain_end(
         at = w.to_snapshot;
     }
     Ok(end)
-}
-
-async fn window_by_id(pool: &PgPool, id: i64) -> sqlx::Result<Option<Window>> {
-    sqlx::query_as(
-        "SELECT w.id, w.from_snapshot, t.snapshot::text AS to_snapshot, w.to_tick, t.created_at AS to_created_at, w.keys
-         FROM feed_windows w JOIN feed_ticks t ON t.id = w.to_tick WHERE w.id = $1",
-    )
-    .bind(id)
-    .fetch_optional(pool)
-    .await
 }

@@ -85,12 +85,13 @@ pub async fn collect(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sql
     Ok(collected)
 }
 
-/// Ticks before the oldest horizon of all tenants that no window ends at.
+/// Ticks before the oldest horizon of all tenants that no window starts or ends at (a reader
+/// inside a shared window finds it by its start tick).
 pub async fn collect_ticks(pool: &PgPool, oldest_cutoff: OffsetDateTime) -> sqlx::Result<u64> {
     Ok(sqlx::query(
         "DELETE FROM feed_ticks t WHERE t.created_at < $1
            AND t.id < (SELECT max(id) FROM feed_ticks WHERE created_at <= $1)
-           AND NOT EXISTS (SELECT 1 FROM feed_windows w WHERE w.to_tick = t.id)",
+           AND NOT EXISTS (SELECT 1 FROM feed_windows w WHERE w.to_tick = t.id OR w.from_tick = t.id)",
     )
     .bind(oldest_cutoff)
     .execute(pool)

@@ -103,6 +103,8 @@ impl TestApp {
     pub async fn spawn_at(pool: PgPool, location: impl FnOnce(&Path) -> StorageLocation) -> TestApp {
         exportd::telemetry::prometheus();
         let registry = prepare_db(&pool).await;
+        // A running deployment's ticker ticks at start: cursors taken from now on lie after a tick.
+        exportd::feeds::tick(&pool, Duration::ZERO).await.unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().unwrap();
         let data_dir = tempfile::tempdir().expect("temp dir");
