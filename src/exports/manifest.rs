@@ -4,7 +4,8 @@
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::writers::OutputColumn;
+use super::Mode;
+use crate::writers::{Format, OutputColumn};
 
 pub const MANIFEST_VERSION: u32 = 1;
 
@@ -13,8 +14,8 @@ pub struct Manifest {
     pub manifest_version: u32,
     pub export_id: String,
     pub dataset: String,
-    pub mode: String,
-    pub format: String,
+    pub mode: Mode,
+    pub format: Format,
     pub compression: &'static str,
     /// The key column first, then the exported columns in file order.
     pub columns: Vec<OutputColumn>,

@@ -22,7 +22,7 @@ pub use request::{DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS,
 pub use state::ExportState;
 
 use crate::auth::Caller;
-use crate::writers::sha256_hex;
+use crate::writers::{Format, sha256_hex};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {
@@ -81,8 +81,10 @@ pub struct ExportJob {
     pub tenant: String,
     pub principal: String,
     pub dataset: String,
-    pub mode: String,
-    pub format: String,
+    #[sqlx(try_from = "String")]
+    pub mode: Mode,
+    #[sqlx(try_from = "String")]
+    pub format: Format,
     pub request: Value,
     pub request_sha256: String,
     #[sqlx(try_from = "String")]
@@ -187,7 +189,7 @@ pub async fn create(
     .bind(caller.principal.id.as_str())
     .bind(spec.dataset.as_str())
     .bind(spec.mode.as_str())
-    .bind(format_name(spec.format))
+    .bind(spec.format.name())
     .bind(&canonical)
     .bind(&request_sha256)
     .bind(&key.0)
@@ -240,13 +242,6 @@ async fn find_by_key(pool: &PgPool, caller: &Caller, key: &IdempotencyKey) -> sq
     .bind(&key.0)
     .fetch_optional(pool)
     .await
-}
-
-pub fn format_name(format: crate::writers::Format) -> &'static str {
-    match format {
-        crate::writers::Format::Csv => "csv",
-        crate::writers::Format::Jsonl => "jsonl",
-    }
 }
 
 /// The job if the caller may see it: admins see their tenant's jobs, partners their own.

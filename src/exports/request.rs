@@ -31,6 +31,16 @@ impl Mode {
     }
 }
 
+impl TryFrom<String> for Mode {
+    type Error = String;
+    fn try_from(text: String) -> Result<Mode, String> {
+        [Mode::Full, Mode::Incremental]
+            .into_iter()
+            .find(|m| m.as_str() == text)
+            .ok_or_else(|| format!("unknown mode {text}"))
+    }
+}
+
 /// The request body. Unknown fields are refused.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]

@@ -17,8 +17,9 @@ use crate::auth::Caller;
 use crate::exports::audit::{self, AuditEvent};
 use crate::exports::download::Object;
 use crate::exports::{
-    self, Cancel, ExportError, ExportJob, ExportRequest, ExportState, FeedContext, IdempotencyKey, Revoke,
+    self, Cancel, ExportError, ExportJob, ExportRequest, ExportState, FeedContext, IdempotencyKey, Mode, Revoke,
 };
+use crate::writers::Format;
 
 const DEFAULT_PAGE: u32 = 50;
 const MAX_PAGE: u32 = 200;
@@ -45,8 +46,8 @@ pub struct ExportView {
     id: Uuid,
     state: ExportState,
     dataset: String,
-    format: String,
-    mode: String,
+    format: Format,
+    mode: Mode,
     requested_by: String,
     #[serde(with = "time::serde::rfc3339")]
     created_at: OffsetDateTime,

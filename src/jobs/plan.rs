@@ -34,15 +34,10 @@ pub(super) struct Chain {
 
 impl Plan {
     pub(super) fn from_job(job: &ExportJob) -> anyhow::Result<Plan> {
-        let format = match job.format.as_str() {
-            "csv" => Format::Csv,
-            "jsonl" => Format::Jsonl,
-            other => anyhow::bail!("unknown format {other}"),
-        };
         Ok(Plan {
             tenant: TenantId::parse(&job.tenant).map_err(anyhow::Error::msg)?,
             dataset: DatasetName::parse(&job.dataset).map_err(anyhow::Error::msg)?,
-            format,
+            format: job.format,
             columns: serde_json::from_value(job.columns.clone()).context("job columns")?,
             filter: job.filter.clone(),
             row_filter: job.row_filter.clone(),
