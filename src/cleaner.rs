@@ -97,6 +97,7 @@ async fn collect_history(
         oldest = oldest.min(now - time::Duration::days(i64::from(tenant.retention.tombstone_days)));
     }
     crate::feeds::gc::collect_ticks(pool, oldest).await?;
+    crate::quota::refusals::collect(pool, now).await.context("collecting refusal counts")?;
     Ok(())
 }
 

@@ -61,6 +61,10 @@ async fn the_dashboard_shows_the_numbers_of_the_usage_api(pool: PgPool) {
         assert_eq!(shown(&dom, "data-metric", key), usage["usage"][key].to_string(), "{key}");
     }
     assert_eq!(shown(&dom, "data-limit", "queued_exports"), usage["limits"]["max_queued_exports"].to_string());
+    for (kind, n) in usage["usage"]["refusals_today"].as_object().unwrap() {
+        assert_eq!(shown(&dom, "data-refusals", kind), n.to_string(), "{kind}");
+    }
+    assert_eq!(usage["usage"]["refusals_today"].as_object().unwrap().len(), 6, "every kind, also when 0");
     assert_eq!(shown(&dom, "data-state", "SUCCEEDED"), "1");
     assert_eq!(shown(&dom, "data-state", "QUEUED"), "1");
     assert!(dom.contains(&done), "recent exports are listed");

@@ -412,3 +412,73 @@ async fn racing_claims_never_exceed_max_running_exports(pool: PgPool) {
         }
     }
 }
+
+/// Today's refusals of `tenant` per kind, as stored (flushed about every second).
+async fn stored_refusals(pool: &PgPool, tenant: &str) -> std::collections::BTreeMap<String, i64> {
+    sqlx::query_as::<_, (String, i64)>("SELECT kind, count FROM tenant_refusals WHERE tenant = $1")
+        .bind(tenant)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+/// Waits (up to 10 s) until `tenant`'s stored refusals are `expected`.
+async fn wait_for_refusals(pool: &PgPool, tenant: &str, expected: &[(&str, i64)]) {
+    let expected: std::collections::BTreeMap<String, i64> = expected.iter().map(|(k, n)| (k.to_string(), *n)).collect();
+    for _ in 0..200 {
+        if stored_refusals(pool, tenant).await == expected {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(stored_refusals(pool, tenant).await, expected, "{tenant}'s refusals were not flushed");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn every_kind_of_refusal_is_counted_durably_and_shown_by_kind(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    // Egress: hooli downloads one small export until its daily egress is used up.
+    app.seed("hooli", "tickets", 60).await;
+    let gavin = app.token("hooli", "gavin");
+    let small = app.export(&gavin, &json!({"dataset": "tickets", "format": "csv"})).await;
+    app.drain().await;
+    while app.get(Some(&gavin), &format!("/v1/exports/{small}/file")).await.status() == 200 {}
+    // Storage: a bigger export does not fit hooli's storage_bytes.
+    app.seed("hooli", "tickets", 600).await;
+    app.export(&gavin, &json!({"dataset": "tickets", "format": "csv", "shard_rows": 100})).await;
+    assert_eq!(app.drain().await, vec![exportd::jobs::Step::Failed { code: "storage-quota-exceeded".into() }]);
+    // Queued: globex queues at most 5.
+    let hank = app.token("globex", "hank");
+    for n in 0..7 {
+        app.create_export(&hank, Some(&format!("q-{n}")), &json!({"dataset": "tickets", "format": "csv"})).await;
+    }
+    // Rate: initech admits 2 requests a second (burst 3).
+    let bill = app.token("initech", "bill");
+    let mut refused = 0;
+    for _ in 0..10 {
+        if app.get(Some(&bill), "/v1/datasets").await.status() == 429 {
+            refused += 1;
+        }
+    }
+    assert!(refused >= 5, "{refused}");
+
+    let usage: serde_json::Value = app.get(Some(&gavin), "/v1/usage").await.json().await.unwrap();
+    let today = &usage["usage"]["refusals_today"];
+    assert_eq!((&today["egress"], &today["storage"], &today["rate"]), (&json!(1), &json!(1), &json!(0)));
+    assert_eq!(usage["usage"]["quota_rejections"], 2, "storage and egress refusals count too");
+    let usage: serde_json::Value = app.get(Some(&hank), "/v1/usage").await.json().await.unwrap();
+    assert_eq!(usage["usage"]["refusals_today"]["queued"], 2);
+    assert_eq!(usage["usage"]["quota_rejections"], 2);
+    // Durable: each process's counts reach the database (and survive it).
+    wait_for_refusals(&app.pool, "hooli", &[("egress", 1), ("storage", 1)]).await;
+    wait_for_refusals(&app.pool, "globex", &[("queued", 2)]).await;
+    wait_for_refusals(&app.pool, "initech", &[("rate", refused)]).await;
+    let totals: (i64, i64) =
+        sqlx::query_as("SELECT rate_limited, quota_rejections FROM tenant_usage WHERE tenant = 'initech'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(totals, (refused, 0));
+}

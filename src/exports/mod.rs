@@ -173,7 +173,6 @@ pub async fn create(
     };
     if let Some((limit_name, limit, queued)) = refusal {
         drop(tx);
-        count_quota_rejection(pool, caller.tenant.id.as_str()).await?;
         return Err(ExportError::QuotaExceeded { limit_name, limit: u64::from(limit), queued: queued as u64 });
     }
     let inserted: Option<ExportJob> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
@@ -215,14 +214,6 @@ pub async fn create(
             replay(existing, &request_sha256)
         }
     }
-}
-
-async fn count_quota_rejection(pool: &PgPool, tenant: &str) -> sqlx::Result<()> {
-    sqlx::query("UPDATE tenant_usage SET quota_rejections = quota_rejections + 1 WHERE tenant = $1")
-        .bind(tenant)
-        .execute(pool)
-        .await?;
-    Ok(())
 }
 
 fn replay(existing: ExportJob, request_sha256: &str) -> Result<Created, ExportError> {

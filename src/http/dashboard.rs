@@ -162,6 +162,15 @@ fn render(caller: &Caller, usage: &Usage, recent: &[ExportJob]) -> String {
          <tr><td>Quota rejections</td><td data-metric=quota_rejections>{}</td></tr></table>",
         u.rows_exported_today, u.rate_limited_requests, u.quota_rejections
     );
+    html.push_str("<h2>Refusals today</h2><table><tr>");
+    for kind in u.refusals_today.keys() {
+        let _ = write!(html, "<th>{}</th>", escape(kind));
+    }
+    html.push_str("</tr><tr>");
+    for (kind, n) in &u.refusals_today {
+        let _ = write!(html, "<td data-refusals={}>{n}</td>", escape(kind));
+    }
+    html.push_str("</tr></table>");
     let age = |a: Option<i64>| a.map_or("–".to_owned(), |s| format!("{s} s"));
     let _ = write!(
         html,

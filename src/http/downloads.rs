@@ -28,7 +28,8 @@ use crate::exports::audit::{self, AuditEvent};
 use crate::exports::download::{self, Download, Object};
 use crate::exports::layout;
 use crate::links::LinkError;
-use crate::quota;
+
+use crate::quota::{self, RefusalKind};
 use crate::storage::{ArtifactStore, StoreError};
 
 pub fn router() -> OpenApiRouter<AppState> {
@@ -144,7 +145,7 @@ async fn serve(
         return respond(&download, answer, len, Body::empty());
     }
     let Some(slot) = state.limits.download_slot(&caller.tenant.id) else {
-        metrics::counter!("exportd_quota_rejections_total", "kind" => "downloads").increment(1);
+        state.limits.refusals.count(&caller.tenant.id, RefusalKind::Downloads);
         let detail = "the tenant's max_concurrent_downloads are streaming; retry when one has finished";
         return ApiError::busy("too-many-downloads", detail).into_response();
     };
@@ -163,7 +164,7 @@ async fn serve(
         }
         Ok(Err(wait)) => {
             metrics::counter!("exportd_downloads_total", "status" => "429").increment(1);
-            metrics::counter!("exportd_quota_rejections_total", "kind" => "egress").increment(1);
+            state.limits.refusals.count(&caller.tenant.id, RefusalKind::Egress);
             audit::record(&state.pool, event(StatusCode::TOO_MANY_REQUESTS, 0)).await;
             let mut e = ApiError::new(
                 StatusCode::TOO_MANY_REQUESTS,

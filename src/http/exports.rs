@@ -19,6 +19,7 @@ use crate::exports::download::Object;
 use crate::exports::{
     self, Cancel, ExportError, ExportJob, ExportRequest, ExportState, FeedContext, IdempotencyKey, Mode, Revoke,
 };
+use crate::quota::RefusalKind;
 use crate::writers::Format;
 
 const DEFAULT_PAGE: u32 = 50;
@@ -179,9 +180,7 @@ async fn create_export(
     let feed = FeedContext { keys: &state.links, cluster: &cluster, now: state.clock.now() };
     let created = exports::create(&state.pool, &caller, &key, &request, &feed).await.inspect_err(|e| match e {
         ExportError::IdempotencyKeyReused => metrics::counter!("exportd_idempotency_conflicts_total").increment(1),
-        ExportError::QuotaExceeded { .. } => {
-            metrics::counter!("exportd_quota_rejections_total", "kind" => "queued").increment(1)
-        }
+        ExportError::QuotaExceeded { .. } => state.limits.refusals.count(&caller.tenant.id, RefusalKind::Queued),
         _ => {}
     })?;
     if created.replayed {

@@ -26,7 +26,6 @@ impl FromRequestParts<AppState> for Caller {
 /// that costs no database work (it is counted in memory).
 pub fn admit(state: &AppState, caller: &Caller) -> Result<(), ApiError> {
     let Err(wait) = state.limits.check_api(caller) else { return Ok(()) };
-    metrics::counter!("exportd_quota_rejections_total", "kind" => "rate").increment(1);
     let mut e = ApiError::new(
         StatusCode::TOO_MANY_REQUESTS,
         "rate-limited",

@@ -29,7 +29,7 @@ pub async fn bound_per_tenant(State(state): State<AppState>, request: Request, n
         return next.run(request).await;
     };
     let Some(_slot) = state.limits.request_slot(&tenant) else {
-        metrics::counter!("exportd_quota_rejections_total", "kind" => "concurrency").increment(1);
+        state.limits.refusals.count(&tenant, crate::quota::RefusalKind::Concurrency);
         let detail = "the tenant's max_concurrent_requests are in progress; retry when one has finished";
         return ApiError::busy("too-many-concurrent-requests", detail).into_response();
     };

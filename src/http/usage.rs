@@ -22,9 +22,7 @@ async fn usage(State(state): State<AppState>, caller: Caller) -> ApiResult<axum:
     Ok(axum::Json(tenant_usage(&state, &caller.tenant).await?))
 }
 
-/// The usage report, with the rate-limit refusals this process counted and has not flushed yet.
+/// The usage report, with the refusals this process counted and has not flushed yet.
 pub(super) async fn tenant_usage(state: &AppState, tenant: &crate::tenants::Tenant) -> sqlx::Result<Usage> {
-    let mut usage = quota::usage(&state.pool, tenant, state.clock.now()).await?;
-    usage.usage.rate_limited_requests += state.limits.unflushed_refusals(&tenant.id) as i64;
-    Ok(usage)
+    quota::usage(&state.pool, tenant, &state.limits.refusals, state.clock.now()).await
 }

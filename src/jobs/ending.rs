@@ -7,6 +7,8 @@ use super::WorkerDeps;
 use super::fenced::{self, Fence, LeaseLost, Refused};
 use super::plan::Plan;
 use crate::exports::{ExportJob, ExportState};
+use crate::quota::{self, RefusalKind};
+use crate::tenants::TenantId;
 
 /// `failed` detail for a record the export's format cannot encode.
 pub(super) const UNENCODABLE: &str =
@@ -29,12 +31,19 @@ pub(super) fn authorized(deps: &WorkerDeps, job: &ExportJob, plan: &Plan) -> Res
     Ok(())
 }
 
-/// The failure a refused checkpoint means (`None`: the lease was lost, nothing to fail).
-pub(super) fn refusal(refused: Refused) -> Option<(&'static str, String)> {
+/// The failure a refused checkpoint means (`None`: the lease was lost, nothing to fail). A
+/// storage refusal is counted for the tenant's usage.
+pub(super) async fn refusal(deps: &WorkerDeps, job: &ExportJob, refused: Refused) -> Option<(&'static str, String)> {
     match refused {
         Refused::LeaseLost => None,
         Refused::StorageQuota { stored, limit } => {
-            metrics::counter!("exportd_quota_rejections_total", "kind" => "storage").increment(1);
+            let counted = match TenantId::parse(&job.tenant) {
+                Ok(tenant) => quota::refusals::count_now(&deps.pool, &tenant, RefusalKind::Storage).await,
+                Err(_) => Ok(()),
+            };
+            if let Err(e) = counted {
+                tracing::warn!(error = %e, "could not count a storage refusal");
+            }
             let detail =
                 format!("the tenant's stored export files would reach {stored} bytes (quota storage_bytes = {limit})");
             Some(("storage-quota-exceeded", detail))

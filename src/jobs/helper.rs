@@ -76,7 +76,7 @@ async fn write_planned_shard(
             Step::Throttled { wait }
         }
         Written::Mismatch(detail) => fail("non-deterministic-output", &detail).await?,
-        Written::Refused(refused) => match ending::refusal(refused) {
+        Written::Refused(refused) => match ending::refusal(deps, &job, refused).await {
             None => Step::LeaseLost,
             Some((code, detail)) => fail(code, &detail).await?,
         },

@@ -524,7 +524,7 @@ impl ClaimedExport {
     }
 
     async fn refused(&mut self, refused: Refused) -> anyhow::Result<Step> {
-        match ending::refusal(refused) {
+        match ending::refusal(&self.deps, &self.job, refused).await {
             None => self.after_refused_write().await,
             Some((code, detail)) => self.fail(code, &detail).await,
         }

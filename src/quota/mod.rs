@@ -1,12 +1,15 @@
-//! Quotas: API rate limits (`rate`), scan rates, egress admission, and the usage report.
+//! Quotas: API rate limits (`rate`), scan rates, egress admission, refusal counts, and the usage
+//! report.
 
 mod egress;
 mod rate;
+pub mod refusals;
 mod scan;
 mod usage;
 
 pub use egress::admit_download;
 pub use rate::{RateLimits, run_housekeeping};
+pub use refusals::{RefusalKind, Refusals};
 pub use scan::ScanLimits;
 pub use usage::{Counters, Queue, Usage, usage};
 

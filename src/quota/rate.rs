@@ -2,12 +2,12 @@
 //! quota), keyed by the tenant for admins and by tenant + principal for partners. With several
 //! API processes each enforces its share (rate and burst divided by the live API processes, see
 //! [`crate::cluster`]), so the rate holds cluster-wide. A refusal costs no database work: it is
-//! counted in memory and the counts are flushed in one statement every second or so. Concurrent
-//! downloads and requests in progress: a semaphore per tenant each.
+//! counted in memory ([`Refusals`]) and the counts are flushed in one statement every second or
+//! so. Concurrent downloads and requests in progress: a semaphore per tenant each.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -16,6 +16,7 @@ use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use sqlx::PgPool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::refusals::{RefusalKind, Refusals};
 use crate::auth::Caller;
 use crate::tenants::{Registry, TenantId};
 
@@ -28,8 +29,8 @@ pub struct RateLimits {
     api_quotas: HashMap<TenantId, (u32, u32)>,
     /// Live API processes sharing the rates.
     share: AtomicU32,
-    /// Refusals not yet added to `tenant_usage.rate_limited`.
-    refused: HashMap<TenantId, AtomicU64>,
+    /// Every refusal of this process, of any kind, until flushed.
+    pub refusals: Refusals,
     downloads: HashMap<TenantId, Arc<Semaphore>>,
     requests: HashMap<TenantId, Arc<Semaphore>>,
     clock: DefaultClock,
@@ -40,7 +41,6 @@ impl RateLimits {
         let api_quotas: HashMap<TenantId, (u32, u32)> =
             registry.tenants().map(|t| (t.id.clone(), (t.quota.api_requests_per_second, t.quota.api_burst))).collect();
         let api = RwLock::new(Arc::new(api_buckets(&api_quotas, 1)));
-        let refused = registry.tenants().map(|t| (t.id.clone(), AtomicU64::new(0))).collect();
         let downloads = registry
             .tenants()
             .map(|t| (t.id.clone(), Arc::new(Semaphore::new(t.quota.max_concurrent_downloads as usize))))
@@ -53,7 +53,7 @@ impl RateLimits {
             api,
             api_quotas,
             share: AtomicU32::new(1),
-            refused,
+            refusals: Refusals::new(registry),
             downloads,
             requests,
             clock: DefaultClock::default(),
@@ -90,9 +90,7 @@ impl RateLimits {
         let Some(limiter) = buckets.get(&caller.tenant.id) else { return Ok(()) };
         let key = if caller.principal.is_admin() { String::new() } else { caller.principal.id.to_string() };
         limiter.check_key(&key).map_err(|not_until| {
-            if let Some(count) = self.refused.get(&caller.tenant.id) {
-                count.fetch_add(1, Ordering::Relaxed);
-            }
+            self.refusals.count(&caller.tenant.id, RefusalKind::Rate);
             not_until.wait_time_from(self.clock.now())
         })
     }
@@ -101,38 +99,6 @@ impl RateLimits {
     /// are in progress already.
     pub fn request_slot(&self, tenant: &TenantId) -> Option<OwnedSemaphorePermit> {
         self.requests.get(tenant)?.clone().try_acquire_owned().ok()
-    }
-
-    /// Refusals of this tenant counted here and not yet flushed.
-    pub fn unflushed_refusals(&self, tenant: &TenantId) -> u64 {
-        self.refused.get(tenant).map_or(0, |c| c.load(Ordering::Relaxed))
-    }
-
-    /// Adds the refusals counted since the last flush to `tenant_usage.rate_limited`, in one
-    /// statement. On failure the counts are kept for the next flush: nothing is lost.
-    pub async fn flush_refusals(&self, pool: &PgPool) -> sqlx::Result<()> {
-        let taken: Vec<(&TenantId, u64)> =
-            self.refused.iter().map(|(t, c)| (t, c.swap(0, Ordering::Relaxed))).filter(|(_, n)| *n > 0).collect();
-        if taken.is_empty() {
-            return Ok(());
-        }
-        let tenants: Vec<&str> = taken.iter().map(|(t, _)| t.as_str()).collect();
-        let counts: Vec<i64> = taken.iter().map(|(_, n)| *n as i64).collect();
-        let flushed = sqlx::query(
-            "INSERT INTO tenant_usage (tenant, rate_limited) SELECT * FROM unnest($1::text[], $2::bigint[])
-             ON CONFLICT ON CONSTRAINT tenant_usage_pkey
-             DO UPDATE SET rate_limited = tenant_usage.rate_limited + EXCLUDED.rate_limited",
-        )
-        .bind(&tenants)
-        .bind(&counts)
-        .execute(pool)
-        .await;
-        if flushed.is_err() {
-            for (tenant, n) in &taken {
-                self.refused[*tenant].fetch_add(*n, Ordering::Relaxed);
-            }
-        }
-        flushed.map(|_| ())
     }
 
     /// Forgets idle keys (call periodically: the key maps would otherwise only grow).
@@ -174,8 +140,8 @@ pub async fn run_housekeeping(
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
             _ = shutdown.changed() => {}
         }
-        if let Err(e) = limits.flush_refusals(&pool).await {
-            tracing::warn!(error = %e, "could not flush rate-limit refusal counts; keeping them for the next try");
+        if let Err(e) = limits.refusals.flush(&pool).await {
+            tracing::warn!(error = %e, "could not flush refusal counts; keeping them for the next try");
         }
         ticks += 1;
         if ticks.is_multiple_of(60) {

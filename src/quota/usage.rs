@@ -6,6 +6,7 @@ use serde::Serialize;
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
+use super::refusals::{self, RefusalKind, Refusals};
 use crate::tenants::{Quota, Tenant};
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -27,8 +28,13 @@ pub struct Counters {
     pub egress_bytes_today: i64,
     /// Rows of exports that succeeded since midnight UTC.
     pub rows_exported_today: i64,
+    /// Requests refused by the API rate, since the tenant's first request.
     pub rate_limited_requests: i64,
+    /// Refusals of every other kind (concurrency, downloads, egress, queued, storage), since the
+    /// tenant's first request.
     pub quota_rejections: i64,
+    /// Refusals since midnight UTC, per kind: rate, concurrency, downloads, egress, queued, storage.
+    pub refusals_today: BTreeMap<String, i64>,
 }
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -39,7 +45,9 @@ pub struct Queue {
     pub states: BTreeMap<String, i64>,
 }
 
-pub async fn usage(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sqlx::Result<Usage> {
+/// The tenant's usage; refusals include those `unflushed` still holds in this process.
+pub async fn usage(pool: &PgPool, tenant: &Tenant, unflushed: &Refusals, now: OffsetDateTime) -> sqlx::Result<Usage> {
+    let _steady = unflushed.steady().await;
     let id = tenant.id.as_str();
     let midnight = now.replace_time(time::Time::MIDNIGHT);
     let states: BTreeMap<String, i64> =
@@ -77,6 +85,13 @@ pub async fn usage(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sqlx:
     .bind(id)
     .fetch_one(pool)
     .await?;
+    let mut refusals_today = BTreeMap::new();
+    let (mut rate_limited, mut quota_rejections) = (rate_limited, quota_rejections);
+    for (kind, durable) in refusals::of_day(pool, &tenant.id, now.date()).await? {
+        let pending = unflushed.unflushed(&tenant.id, kind) as i64;
+        refusals_today.insert(kind.as_str().to_owned(), durable + pending);
+        if kind == RefusalKind::Rate { rate_limited += pending } else { quota_rejections += pending }
+    }
     let age = |at: Option<OffsetDateTime>| at.map(|at| (now - at).whole_seconds().max(0));
     Ok(Usage {
         tenant: id.to_owned(),
@@ -89,6 +104,7 @@ pub async fn usage(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sqlx:
             rows_exported_today: rows_today,
             rate_limited_requests: rate_limited,
             quota_rejections,
+            refusals_today,
         },
         queue: Queue {
             oldest_queued_age_seconds: age(oldest_queued),
