@@ -5,7 +5,6 @@
 
 pub mod auth;
 pub mod cleaner;
-pub mod client;
 pub mod clock;
 pub mod cluster;
 pub mod config;

@@ -1,13 +1,11 @@
 //! The `exportd` binary: parses the command line and calls into the library.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use exportd::client::{DownloadOptions, PullOptions};
 use exportd::config::Settings;
 use exportd::http::ConnectionLimits;
 use exportd::server::ServeOptions;
@@ -20,7 +18,7 @@ use secrecy::SecretString;
     version,
     about = "Multi-tenant exports and incremental feeds on PostgreSQL",
     after_help = "The server settings (DATABASE_URL, EXPORTD_TENANTS_DIR, EXPORTD_STORAGE, …) are listed by \
-                  `exportd serve --help`; `download` and `pull` need only EXPORTD_URL and EXPORTD_TOKEN."
+                  `exportd serve --help`. Partners download and pull with `exportd-client`, a binary of its own."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -84,48 +82,6 @@ enum Command {
         #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
         ttl: Duration,
     },
-    /// Download a published export (partners): resumes partial files, verifies every sha256.
-    Download {
-        /// The export id.
-        export_id: String,
-        /// Directory to write into.
-        #[arg(long)]
-        out: PathBuf,
-        #[command(flatten)]
-        server: ServerArgs,
-        /// Fetch the shard files instead of the whole file.
-        #[arg(long)]
-        shards: bool,
-        /// Shards fetched at once (above 1 implies --shards).
-        #[arg(long, default_value_t = 1)]
-        parallel: usize,
-        /// Bytes per second per transfer (0 = unlimited).
-        #[arg(long, default_value_t = 0)]
-        limit_rate: u64,
-    },
-    /// Follow a dataset's change feed into a JSONL file (partners).
-    Pull {
-        #[arg(long)]
-        dataset: String,
-        /// Holds the cursor between runs; when missing, the feed starts from now (or --since-export).
-        #[arg(long)]
-        cursor_file: PathBuf,
-        /// With no cursor file yet: start where this full export ends (its manifest's next_cursor),
-        /// so the export plus the feed hold every change exactly once.
-        #[arg(long)]
-        since_export: Option<String>,
-        /// JSONL file the changes are appended to.
-        #[arg(long)]
-        out: PathBuf,
-        #[command(flatten)]
-        server: ServerArgs,
-        /// Changes per request (1 to 10 000).
-        #[arg(long, default_value_t = 1000)]
-        limit: usize,
-        /// Keep polling at the end of the stream.
-        #[arg(long)]
-        follow: bool,
-    },
     /// Load deterministic synthetic records with COPY.
     Seed {
         #[command(flatten)]
@@ -143,17 +99,6 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
-}
-
-/// Where the partner-side commands reach the server, and as whom.
-#[derive(clap::Args)]
-struct ServerArgs {
-    /// Server URL.
-    #[arg(long, env = "EXPORTD_URL", default_value = "http://127.0.0.1:8080")]
-    url: String,
-    /// Bearer token (for downloads: of the export's owner or a tenant admin).
-    #[arg(long, env = "EXPORTD_TOKEN", hide_env_values = true)]
-    token: String,
 }
 
 /// Errors end the process with their causes, one per line, and never a backtrace: they are
@@ -213,24 +158,6 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Worker { settings, workers, exit_when_idle } => {
             exportd::server::work(&settings, workers, exit_when_idle).await
-        }
-        Command::Download { export_id, out, server, shards, parallel, limit_rate } => {
-            let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
-            let (base_url, token) = (server.url, server.token);
-            let options = DownloadOptions { base_url, token, export_id, out, shards, parallel, limit_rate, progress };
-            for path in exportd::client::download(&options).await? {
-                println!("{}", path.display());
-            }
-            Ok(())
-        }
-        Command::Pull { dataset, cursor_file, since_export, out, server, limit, follow } => {
-            let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
-            let (base_url, token) = (server.url, server.token);
-            let options =
-                PullOptions { base_url, token, dataset, cursor_file, since_export, out, limit, follow, progress };
-            let written = exportd::client::pull(&options).await?;
-            println!("{written} change{}", if written == 1 { "" } else { "s" });
-            Ok(())
         }
         Command::Migrate { settings } => {
             let prepared = exportd::server::prepare_reporting(&settings, 2).await?;

@@ -1,8 +1,9 @@
-//! `exportd download` against a real server: resume after a kill, parallel shards, checksums.
+//! `exportd-client download` and `pull` against a real server: resume after a kill, parallel
+//! shards, checksums, cursors.
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -21,8 +22,16 @@ async fn published(app: &TestApp) -> (String, Value) {
     (id, manifest)
 }
 
+/// The partner client's binary, built with the workspace (`cargo build` builds it; alone:
+/// `cargo build -p exportd-client`).
+fn client_binary() -> PathBuf {
+    let path = Path::new(env!("CARGO_BIN_EXE_exportd")).with_file_name("exportd-client");
+    assert!(path.exists(), "{} is missing: build it with `cargo build -p exportd-client`", path.display());
+    path
+}
+
 fn client(app: &TestApp, id: &str, out: &Path, extra: &[&str]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_exportd"));
+    let mut command = Command::new(client_binary());
     command
         .args(["download", id, "--out"])
         .arg(out)
@@ -155,7 +164,7 @@ async fn pull_appends_each_change_once_and_keeps_its_cursor(pool: PgPool) {
     let dir = tempfile::tempdir().unwrap();
     let (cursor_file, out) = (dir.path().join("tickets.cursor"), dir.path().join("changes.jsonl"));
     let pull = || {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_exportd"));
+        let mut command = Command::new(client_binary());
         command
             .args(["pull", "--dataset", "tickets", "--limit", "1", "--cursor-file"])
             .arg(&cursor_file)
@@ -211,7 +220,7 @@ async fn pull_since_an_export_starts_where_the_export_ends(pool: PgPool) {
     app.pass_safety_delay();
     let dir = tempfile::tempdir().unwrap();
     let (cursor_file, out) = (dir.path().join("tickets.cursor"), dir.path().join("changes.jsonl"));
-    let run = Command::new(env!("CARGO_BIN_EXE_exportd"))
+    let run = Command::new(client_binary())
         .args(["pull", "--dataset", "tickets", "--since-export", &id, "--cursor-file"])
         .arg(&cursor_file)
         .arg("--out")

@@ -183,10 +183,23 @@ fn safe_name(name: &str) -> anyhow::Result<&str> {
     if plain { Ok(name) } else { bail!("refusing the file name {name:?} from the manifest") }
 }
 
-async fn file_sha256(path: &Path) -> anyhow::Result<Option<String>> {
-    let path = path.to_owned();
-    let digest = tokio::task::spawn_blocking(move || crate::storage::file_digest(&path)).await??;
-    Ok(digest.map(|(_, sha256)| sha256))
+/// The lowercase hex sha256 of the file at `path`, `None` when there is none.
+pub async fn file_sha256(path: &Path) -> anyhow::Result<Option<String>> {
+    use sha2::Digest;
+    use tokio::io::AsyncReadExt;
+    let mut file = match tokio::fs::File::open(path).await {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let (mut hasher, mut buf) = (sha2::Sha256::new(), vec![0u8; 1 << 20]);
+    loop {
+        let n = file.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(Some(hex::encode(hasher.finalize())));
+        }
+        hasher.update(&buf[..n]);
+    }
 }
 
 #[cfg(test)]

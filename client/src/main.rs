@@ -1,0 +1,125 @@
+//! The `exportd-client` binary: the partner side, without the server's dependencies.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use exportd_client::{DownloadOptions, PullOptions};
+
+#[derive(Parser)]
+#[command(
+    name = "exportd-client",
+    version,
+    about = "Download exportd exports and follow their change feeds (partners)",
+    after_help = "Set EXPORTD_URL and EXPORTD_TOKEN (or --url and --token)."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Download a published export: resumes partial files, verifies every sha256.
+    Download {
+        /// The export id.
+        export_id: String,
+        /// Directory to write into.
+        #[arg(long)]
+        out: PathBuf,
+        #[command(flatten)]
+        server: ServerArgs,
+        /// Fetch the shard files instead of the whole file.
+        #[arg(long)]
+        shards: bool,
+        /// Shards fetched at once (above 1 implies --shards).
+        #[arg(long, default_value_t = 1)]
+        parallel: usize,
+        /// Bytes per second per transfer (0 = unlimited).
+        #[arg(long, default_value_t = 0)]
+        limit_rate: u64,
+    },
+    /// Follow a dataset's change feed into a JSONL file.
+    Pull {
+        #[arg(long)]
+        dataset: String,
+        /// Holds the cursor between runs; when missing, the feed starts from now (or --since-export).
+        #[arg(long)]
+        cursor_file: PathBuf,
+        /// With no cursor file yet: start where this full export ends (its manifest's next_cursor),
+        /// so the export plus the feed hold every change exactly once.
+        #[arg(long)]
+        since_export: Option<String>,
+        /// JSONL file the changes are appended to.
+        #[arg(long)]
+        out: PathBuf,
+        #[command(flatten)]
+        server: ServerArgs,
+        /// Changes per request (1 to 10 000).
+        #[arg(long, default_value_t = 1000)]
+        limit: usize,
+        /// Keep polling at the end of the stream.
+        #[arg(long)]
+        follow: bool,
+    },
+}
+
+/// Where the server is, and as whom.
+#[derive(clap::Args)]
+struct ServerArgs {
+    /// Server URL.
+    #[arg(long, env = "EXPORTD_URL", default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// Bearer token (for downloads: of the export's owner or a tenant admin).
+    #[arg(long, env = "EXPORTD_TOKEN", hide_env_values = true)]
+    token: String,
+}
+
+/// Errors end the process with their causes, one per line, and never a backtrace.
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("starting the runtime");
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {}", report(&error));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The error and its causes, leaving out a cause its parent's message already includes.
+fn report(error: &anyhow::Error) -> String {
+    let mut text = error.to_string();
+    let mut previous = text.clone();
+    for cause in error.chain().skip(1) {
+        let cause = cause.to_string();
+        if !previous.contains(&cause) {
+            text.push_str("\n  because: ");
+            text.push_str(&cause);
+        }
+        previous = cause;
+    }
+    text
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    match cli.command {
+        Command::Download { export_id, out, server, shards, parallel, limit_rate } => {
+            let (base_url, token) = (server.url, server.token);
+            let options = DownloadOptions { base_url, token, export_id, out, shards, parallel, limit_rate, progress };
+            for path in exportd_client::download(&options).await? {
+                println!("{}", path.display());
+            }
+        }
+        Command::Pull { dataset, cursor_file, since_export, out, server, limit, follow } => {
+            let (base_url, token) = (server.url, server.token);
+            let options =
+                PullOptions { base_url, token, dataset, cursor_file, since_export, out, limit, follow, progress };
+            let written = exportd_client::pull(&options).await?;
+            println!("{written} change{}", if written == 1 { "" } else { "s" });
+        }
+    }
+    Ok(())
+}
