@@ -104,8 +104,12 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
         tokio::net::TcpListener::bind(options.listen).await.with_context(|| format!("binding {}", options.listen))?;
     tracing::info!(address = %listener.local_addr()?, tenants = registry.tenants().count(), workers = options.workers, "exportd listening");
     let shutdown = shutdown_channel();
-    let clock = Clock::system();
-    let limits = Arc::new(RateLimits::new(&registry));
+    let state = AppState {
+        link_ttl: options.link_ttl,
+        metrics_token: options.metrics_token.clone(),
+        ..AppState::new(pool.clone(), registry, deps.store.clone(), deps.keys.clone(), Clock::system())
+    };
+    let (clock, limits) = (state.clock.clone(), state.limits.clone());
     let roles = Roles { api: true, workers: options.workers > 0 };
     let membership = Membership::join(&pool, roles, shutdown.clone());
     let mut handles = vec![tokio::spawn(follow_shares(membership, Some(limits.clone()), deps.scan.clone()))];
@@ -113,16 +117,6 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     handles.push(spawn_cleaner(&deps, clock.clone(), options.clean_every, &shutdown));
     handles.push(tokio::spawn(feeds::run_ticker(pool.clone(), TICK_EVERY, shutdown.clone())));
     handles.push(tokio::spawn(crate::quota::run_housekeeping(limits.clone(), pool.clone(), shutdown.clone())));
-    let state = AppState {
-        pool: pool.clone(),
-        registry,
-        store: deps.store.clone(),
-        links: deps.keys.clone(),
-        clock,
-        link_ttl: options.link_ttl,
-        limits: limits.clone(),
-        metrics_token: options.metrics_token.clone(),
-    };
     let mut http_shutdown = shutdown.clone();
     let stopped = async move {
         let _ = http_shutdown.wait_for(|stop| *stop).await;

@@ -1,7 +1,6 @@
 //! Export jobs: creation with an idempotency key and a sealed snapshot watermark, reading,
 //! listing, cancelling, and the published manifest. Workers run them (see `jobs`).
 
-pub mod audit;
 pub mod download;
 mod incremental;
 pub mod layout;

@@ -8,8 +8,8 @@ use utoipa_axum::{router::OpenApiRouter, routes};
 use super::error::{ApiError, ApiResult};
 use super::extract::Query;
 use super::state::AppState;
+use crate::audit::{self, AuditEntry};
 use crate::auth::Caller;
-use crate::exports::audit::{self, AuditEntry};
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new().routes(routes!(audit_log))
@@ -47,7 +47,11 @@ async fn audit_log(
     if !(1..=500).contains(&limit) {
         return Err(ApiError::invalid_field("limit", "must be between 1 and 500"));
     }
-    let (events, next_cursor) =
-        audit::page(&state.pool, caller.tenant.id.as_str(), params.cursor.as_deref(), limit).await?;
+    let before = match params.cursor.as_deref().map(str::parse::<i64>) {
+        Some(Ok(id)) => Some(id),
+        Some(Err(_)) => return Err(ApiError::invalid_field("cursor", "not a cursor from this listing")),
+        None => None,
+    };
+    let (events, next_cursor) = audit::page(&state.pool, caller.tenant.id.as_str(), before, limit).await?;
     Ok(axum::Json(AuditPage { events, next_cursor }))
 }

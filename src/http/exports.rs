@@ -13,8 +13,8 @@ use uuid::Uuid;
 use super::error::{ApiError, ApiResult};
 use super::extract::{JsonBody, Path, Query};
 use super::state::AppState;
+use crate::audit::{self, AuditEvent};
 use crate::auth::Caller;
-use crate::exports::audit::{self, AuditEvent};
 use crate::exports::download::Object;
 use crate::exports::{
     self, Cancel, ExportError, ExportJob, ExportRequest, ExportState, FeedContext, IdempotencyKey, Mode, Revoke,

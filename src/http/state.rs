@@ -24,3 +24,21 @@ pub struct AppState {
     /// When set, `GET /metrics` requires `Authorization: Bearer <token>`.
     pub metrics_token: Option<secrecy::SecretString>,
 }
+
+/// Default lifetime of signed download links.
+pub const DEFAULT_LINK_TTL: Duration = Duration::from_secs(300);
+
+impl AppState {
+    /// The state `serve` and the tests run the API with: fresh in-process limits for the
+    /// registry's tenants, links valid for [`DEFAULT_LINK_TTL`], `/metrics` open.
+    pub fn new(
+        pool: PgPool,
+        registry: Arc<Registry>,
+        store: ArtifactStore,
+        links: Arc<LinkKeys>,
+        clock: Clock,
+    ) -> Self {
+        let limits = Arc::new(RateLimits::new(&registry));
+        AppState { pool, registry, store, links, clock, link_ttl: DEFAULT_LINK_TTL, limits, metrics_token: None }
+    }
+}

@@ -9,7 +9,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
-use crate::exports::audit::{AuditEvent, insert};
+use crate::audit::{AuditEvent, insert};
 use crate::tenants::Tenant;
 
 /// Records the download if it fits today's quota; otherwise how long until the day rolls over.

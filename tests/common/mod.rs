@@ -15,7 +15,7 @@ use exportd::clock::Clock;
 use exportd::http::{self, AppState};
 use exportd::jobs::{Step, WorkerConfig, WorkerDeps};
 use exportd::links::LinkKeys;
-use exportd::quota::{RateLimits, ScanLimits};
+use exportd::quota::ScanLimits;
 use exportd::storage::{ArtifactStore, ObjectKey, S3Config, StorageLocation};
 use exportd::tenants::{Registry, Tenant};
 use serde_json::Value;
@@ -110,16 +110,8 @@ impl TestApp {
         let data_dir = tempfile::tempdir().expect("temp dir");
         let store = ArtifactStore::connect(&location(data_dir.path()), &pool).await.expect("artifact store");
         let clock = Clock::system();
-        let state = AppState {
-            pool: pool.clone(),
-            registry: registry.clone(),
-            store: store.clone(),
-            links: Arc::new(LinkKeys::parse(LINK_KEYS).unwrap()),
-            clock: clock.clone(),
-            link_ttl: Duration::from_secs(300),
-            limits: Arc::new(RateLimits::new(&registry)),
-            metrics_token: None,
-        };
+        let links = Arc::new(LinkKeys::parse(LINK_KEYS).unwrap());
+        let state = AppState::new(pool.clone(), registry.clone(), store.clone(), links, clock.clone());
         let (keep_running, never) = tokio::sync::watch::channel(false);
         let (limits, housekeeping_pool) = (state.limits.clone(), state.pool.clone());
         tokio::spawn(async move {
@@ -267,16 +259,8 @@ impl TestApp {
     ) -> String {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().unwrap();
-        let mut state = AppState {
-            pool: self.pool.clone(),
-            limits: Arc::new(RateLimits::new(&registry)),
-            metrics_token: None,
-            registry,
-            store: self.store.clone(),
-            links: Arc::new(LinkKeys::parse(LINK_KEYS).unwrap()),
-            clock: self.clock.clone(),
-            link_ttl: Duration::from_secs(300),
-        };
+        let links = Arc::new(LinkKeys::parse(LINK_KEYS).unwrap());
+        let mut state = AppState::new(self.pool.clone(), registry, self.store.clone(), links, self.clock.clone());
         edit(&mut state);
         tokio::spawn(http::serve(listener, http::app(state), limits, std::future::pending(), Duration::from_secs(1)));
         format!("http://{addr}")

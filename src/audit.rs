@@ -1,12 +1,11 @@
 //! The audit log: who created, cancelled, revoked or downloaded what, when, from where.
-//! Never a token or a link.
+//! Never a token or a link. Written by exports (create, cancel, revoke) and downloads (in the
+//! egress admission's transaction); read by `GET /v1/audit`.
 
 use serde::Serialize;
 use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
-
-use super::ExportError;
 
 #[derive(Debug, Clone, Default)]
 pub struct AuditEvent<'a> {
@@ -64,21 +63,14 @@ pub struct AuditEntry {
     pub address: Option<String>,
 }
 
-/// A page of the tenant's audit log, newest first; the cursor is the last id seen.
+/// A page of the tenant's audit log, newest first, of events before id `before`; the next
+/// page's cursor is the last id returned.
 pub async fn page(
     pool: &PgPool,
     tenant: &str,
-    cursor: Option<&str>,
+    before: Option<i64>,
     limit: u32,
-) -> Result<(Vec<AuditEntry>, Option<String>), ExportError> {
-    let before: Option<i64> = cursor
-        .map(|c| {
-            c.parse().map_err(|_| ExportError::InvalidField {
-                field: "cursor".into(),
-                detail: "not a cursor from this listing".into(),
-            })
-        })
-        .transpose()?;
+) -> sqlx::Result<(Vec<AuditEntry>, Option<String>)> {
     let mut entries: Vec<AuditEntry> = sqlx::query_as(
         "SELECT id, at, principal, action, export_id, object, byte_range, status, address FROM audit_log
          WHERE tenant = $1 AND ($2::bigint IS NULL OR id < $2) ORDER BY id DESC LIMIT $3",
