@@ -456,10 +456,7 @@ async fn old_history_is_collected_except_what_a_live_export_still_reads(pool: Pg
     let read = app.get(Some(&token), &format!("/v1/datasets/tickets/changes?cursor={before}")).await;
     assert_eq!(read.json::<Value>().await.unwrap()["changes"].as_array().unwrap().len(), 2);
     seal(&app).await;
-    let window_keys = || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM feed_window_keys").fetch_one(&app.pool).await.unwrap()
-    };
-    assert_eq!(window_keys().await, 3);
+    assert_eq!(stored_window_keys(&app.pool).await, 3);
 
     app.clock.advance(std::time::Duration::from_secs(31 * 86_400));
     let store = app.store.clone();
@@ -469,7 +466,7 @@ async fn old_history_is_collected_except_what_a_live_export_still_reads(pool: Pg
     let collected = gc().await.unwrap();
     assert_eq!(collected.versions_collected, 0);
     assert_eq!(collected.windows_collected, 1);
-    assert_eq!(window_keys().await, 0);
+    assert_eq!(stored_window_keys(&app.pool).await, 0);
     assert_eq!(app.drain().await, vec![Step::Published]);
     let shard = &app.own_shard_files(&queued).await[0];
     let text = String::from_utf8(common::gunzip(shard)).unwrap();
