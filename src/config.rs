@@ -39,6 +39,41 @@ pub struct Settings {
     /// more heartbeats (one every third of it). At least 1s.
     #[arg(long, env = "EXPORTD_LEASE_TTL", default_value = "30s", value_parser = humantime::parse_duration)]
     pub lease_ttl: std::time::Duration,
+
+    #[command(flatten)]
+    pub webhooks: WebhookSettings,
+}
+
+/// How webhooks are delivered (`serve` and `worker`: every process delivers).
+#[derive(Debug, Clone, Args)]
+pub struct WebhookSettings {
+    /// The API's public base URL (`https://exports.example.com`): webhook events then carry an
+    /// absolute `manifest_url` (they always carry `manifest_path`).
+    #[arg(long, env = "EXPORTD_PUBLIC_URL")]
+    pub public_url: Option<reqwest::Url>,
+
+    /// Allow `http://` webhook endpoints (development only; production endpoints must be https).
+    #[arg(long, env = "EXPORTD_WEBHOOK_ALLOW_HTTP")]
+    pub webhook_allow_http: bool,
+
+    /// Networks webhook endpoints may resolve to although they are loopback, private,
+    /// link-local or otherwise not public (`10.1.0.0/16,127.0.0.1/32`); refused by default.
+    #[arg(long, env = "EXPORTD_WEBHOOK_ALLOW_NETS", value_delimiter = ',')]
+    pub webhook_allow_nets: Vec<ipnet::IpNet>,
+
+    /// One delivery attempt may take this long (connect, send, response head).
+    #[arg(long, env = "EXPORTD_WEBHOOK_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub webhook_timeout: std::time::Duration,
+
+    /// The first retry of a failed delivery waits this long; each next one four times longer
+    /// (at most 2 h), jittered.
+    #[arg(long, env = "EXPORTD_WEBHOOK_FIRST_RETRY", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub webhook_first_retry: std::time::Duration,
+
+    /// A delivery still failing this long after its event is marked failed (it can be retried
+    /// by hand: `POST /v1/webhooks/deliveries/{id}/retry`).
+    #[arg(long, env = "EXPORTD_WEBHOOK_RETRY_FOR", default_value = "24h", value_parser = humantime::parse_duration)]
+    pub webhook_retry_for: std::time::Duration,
 }
 
 /// A secret from a flag or the environment: never shown by `Debug` (or in logs).

@@ -21,4 +21,5 @@ pub mod server;
 pub mod storage;
 pub mod telemetry;
 pub mod tenants;
+pub mod webhooks;
 pub mod writers;

@@ -21,13 +21,15 @@ use crate::links::LinkKeys;
 use crate::quota::{RateLimits, ScanLimits};
 use crate::storage::ArtifactStore;
 use crate::tenants::Registry;
+use crate::webhooks::{self, Deliverer};
 
 /// Connections of the API's pool in `serve`.
 const API_CONNECTIONS: u32 = 16;
 
-/// Connections for `workers` export workers: one each, plus the ticker and the cleaner.
+/// Connections for `workers` export workers: one each, plus the ticker, the cleaner and the
+/// webhook deliveries.
 fn worker_connections(workers: usize) -> u32 {
-    workers as u32 + 2
+    workers as u32 + 3
 }
 
 /// How often the feed ticker records a snapshot.
@@ -104,9 +106,11 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
         tokio::net::TcpListener::bind(options.listen).await.with_context(|| format!("binding {}", options.listen))?;
     tracing::info!(address = %listener.local_addr()?, tenants = registry.tenants().count(), workers = options.workers, "exportd listening");
     let shutdown = shutdown_channel();
+    let deliverer = webhook_deliverer(settings, pool.clone(), registry.clone())?;
     let state = AppState {
         link_ttl: options.link_ttl,
         metrics_token: options.metrics_token.clone(),
+        webhook_retry_for: settings.webhooks.webhook_retry_for,
         ..AppState::new(pool.clone(), registry, deps.store.clone(), deps.keys.clone(), Clock::system())
     };
     let (clock, limits) = (state.clock.clone(), state.limits.clone());
@@ -117,6 +121,7 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     handles.push(spawn_cleaner(&deps, clock.clone(), options.clean_every, &shutdown));
     handles.push(tokio::spawn(feeds::run_ticker(pool.clone(), TICK_EVERY, shutdown.clone())));
     handles.push(tokio::spawn(crate::quota::run_housekeeping(limits.clone(), pool.clone(), shutdown.clone())));
+    handles.push(tokio::spawn(webhooks::run(deliverer, clock.clone(), shutdown.clone())));
     let mut http_shutdown = shutdown.clone();
     let stopped = async move {
         let _ = http_shutdown.wait_for(|stop| *stop).await;
@@ -164,6 +169,8 @@ pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> 
         handles.extend(jobs::spawn_workers(&deps, workers, &shutdown));
         handles.push(spawn_cleaner(&deps, Clock::system(), CLEAN_EVERY, &shutdown));
         handles.push(tokio::spawn(feeds::run_ticker(deps.pool.clone(), TICK_EVERY, shutdown.clone())));
+        let deliverer = webhook_deliverer(settings, deps.pool.clone(), deps.registry.clone())?;
+        handles.push(tokio::spawn(webhooks::run(deliverer, Clock::system(), shutdown.clone())));
         // Runs until told to stop; only then do the workers get the drain time.
         let _ = shutdown.clone().wait_for(|stop| *stop).await;
         join_workers(handles).await;
@@ -181,6 +188,13 @@ async fn worker_deps(settings: &Settings, pool: PgPool, registry: Arc<Registry>)
     anyhow::ensure!(settings.lease_ttl >= Duration::from_secs(1), "EXPORTD_LEASE_TTL: must be at least 1s");
     let config = WorkerConfig { lease_ttl: settings.lease_ttl, ..WorkerConfig::default() };
     Ok(WorkerDeps { pool, registry, store, keys, scan, config })
+}
+
+/// The webhook delivery loop's parts, after refusing endpoints it could never deliver to.
+fn webhook_deliverer(settings: &Settings, pool: PgPool, registry: Arc<Registry>) -> anyhow::Result<Deliverer> {
+    let deliverer = Deliverer::new(pool, registry, settings.webhooks.clone())?;
+    deliverer.check_endpoints(&settings.tenants_dir)?;
+    Ok(deliverer)
 }
 
 /// Keeps this process's share of every per-tenant rate equal to 1 / the live processes that

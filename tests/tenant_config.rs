@@ -28,6 +28,10 @@ grants = ["tickets"]
 row_filter = { region = "emea" }
 "#;
 
+fn hook(url: &str, events: &str, secret: &str) -> String {
+    format!("\n[[webhooks]]\nname = \"ops\"\nurl = \"{url}\"\nevents = {events}\n{secret}\n")
+}
+
 fn write_tree(dir: &Path, files: &[(&str, &str)]) {
     std::fs::create_dir_all(dir.join("datasets")).unwrap();
     std::fs::write(dir.join("datasets/tickets.toml"), SCHEMA).unwrap();
@@ -68,6 +72,14 @@ fn each_mistake_names_the_file_and_the_field() {
         ("id differs from the file name", GOOD.replace("id = \"acme\"", "id = \"other\""), ": id: must match the file name"),
         ("zero rate", format!("{GOOD}\n[quota]\napi_requests_per_second = 0\n"), "quota.api_requests_per_second"),
         ("duplicate principal", format!("{GOOD}\n[[principals]]\nid = \"alice\"\nrole = \"admin\"\n"), "principals[2].id"),
+        ("webhook URL not http(s)", format!("{GOOD}{}", hook("ftp://hooks.example.com/x", "[\"export.succeeded\"]", "secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"")), "webhooks[0].url"),
+        ("webhook URL with credentials", format!("{GOOD}{}", hook("https://u:p@hooks.example.com/x", "[\"export.succeeded\"]", "secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"")), "webhooks[0].url: must not carry credentials"),
+        ("unknown webhook event", format!("{GOOD}{}", hook("https://hooks.example.com/x", "[\"export.done\"]", "secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"")), "unknown variant `export.done`"),
+        ("no webhook events", format!("{GOOD}{}", hook("https://hooks.example.com/x", "[]", "secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"")), "webhooks[0].events"),
+        ("webhook secret not whsec_", format!("{GOOD}{}", hook("https://hooks.example.com/x", "[\"export.failed\"]", "secret = \"plain-secret-of-enough-length-000000\"")), "webhooks[0].secret: a Standard Webhooks secret"),
+        ("webhook secret from a missing env var", format!("{GOOD}{}", hook("https://hooks.example.com/x", "[\"export.failed\"]", "secret_env = \"EXPORTD_TEST_UNSET_VAR\"")), "webhooks[0].secret_env: environment variable `EXPORTD_TEST_UNSET_VAR`"),
+        ("webhook scoped to an unknown principal", format!("{GOOD}{}principals = [\"bob\"]\n", hook("https://hooks.example.com/x", "[\"export.failed\"]", "secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"")), "webhooks[0].principals[0]: no principal `bob`"),
+        ("duplicate webhook name", format!("{GOOD}{0}{0}", hook("https://hooks.example.com/x", "[\"export.failed\"]", "secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"")), "webhooks[1].name: duplicate endpoint `ops`"),
     ];
     for (what, text, expected) in cases {
         let err = load(&[("acme.toml", &text)]).expect_err(what);

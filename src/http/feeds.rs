@@ -75,6 +75,9 @@ async fn changes(
     let row_filter = caller.principal.row_filter_json();
     let owner = cursor_owner(&caller, &schema, &cluster, &row_filter);
     let cursor = Cursor::decode(&state.links, &text, &owner, oldest).map_err(cursor_problem)?;
+    let (principal, position) = (caller.principal.id.as_str(), cursor.ts);
+    crate::webhooks::lag::record_position(&state.pool, &caller.tenant, principal, schema.name.as_str(), position, now)
+        .await?;
     let feed = Feed {
         tenant: owner.tenant,
         dataset: schema.name.as_str(),

@@ -40,6 +40,10 @@ pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> ApiRe
             }
         }
     }
+    let (pending, oldest) = crate::webhooks::outbox::pending(&state.pool).await?;
+    metrics::gauge!("exportd_webhook_deliveries_pending").set(pending as f64);
+    let oldest_age = oldest.map_or(0.0, |at| (now - at).as_seconds_f64().max(0.0));
+    metrics::gauge!("exportd_webhook_oldest_pending_seconds").set(oldest_age);
     let handle = crate::telemetry::prometheus();
     handle.run_upkeep();
     Ok(([(CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()))

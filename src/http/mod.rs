@@ -17,6 +17,7 @@ mod session;
 mod state;
 mod tenant_slots;
 mod usage;
+mod webhooks;
 
 use std::time::Duration;
 

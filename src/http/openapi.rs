@@ -5,7 +5,7 @@ use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 
 use super::state::AppState;
-use super::{audit, downloads, exports, feeds, health, records, usage};
+use super::{audit, downloads, exports, feeds, health, records, usage, webhooks};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -35,6 +35,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .merge(audit::router())
         .merge(feeds::router())
         .merge(usage::router())
+        .merge(webhooks::router())
 }
 
 /// Adds what every operation can answer besides its own statuses, so the document lists every

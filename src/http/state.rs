@@ -23,7 +23,12 @@ pub struct AppState {
     pub limits: Arc<RateLimits>,
     /// When set, `GET /metrics` requires `Authorization: Bearer <token>`.
     pub metrics_token: Option<secrecy::SecretString>,
+    /// A delivery retried by hand is tried again for this long (EXPORTD_WEBHOOK_RETRY_FOR).
+    pub webhook_retry_for: Duration,
 }
+
+/// Default of EXPORTD_WEBHOOK_RETRY_FOR.
+pub const DEFAULT_WEBHOOK_RETRY_FOR: Duration = Duration::from_secs(24 * 3600);
 
 /// Default lifetime of signed download links.
 pub const DEFAULT_LINK_TTL: Duration = Duration::from_secs(300);
@@ -39,6 +44,16 @@ impl AppState {
         clock: Clock,
     ) -> Self {
         let limits = Arc::new(RateLimits::new(&registry));
-        AppState { pool, registry, store, links, clock, link_ttl: DEFAULT_LINK_TTL, limits, metrics_token: None }
+        AppState {
+            pool,
+            registry,
+            store,
+            links,
+            clock,
+            link_ttl: DEFAULT_LINK_TTL,
+            limits,
+            metrics_token: None,
+            webhook_retry_for: DEFAULT_WEBHOOK_RETRY_FOR,
+        }
     }
 }

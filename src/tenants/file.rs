@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
+use super::webhooks::{self, WebhookEndpoint, WebhookFile};
 use super::{
     Auth, ConfigError, DatasetName, DatasetSchema, Feeds, Principal, PrincipalId, Quota, Registry, Retention, Role,
     RowFilter, Secret, SigningKey, Tenant, TenantId,
@@ -30,6 +31,8 @@ struct TenantFile {
     feeds: Feeds,
     #[serde(default)]
     auth: Auth,
+    #[serde(default)]
+    webhooks: Vec<WebhookFile>,
 }
 
 #[derive(Deserialize)]
@@ -148,6 +151,16 @@ fn load_tenant(path: &Path, schemas: &BTreeMap<DatasetName, Arc<DatasetSchema>>)
         principals.insert(principal.id.clone(), principal);
     }
 
+    let mut webhooks: Vec<WebhookEndpoint> = Vec::new();
+    for (i, raw_endpoint) in raw.webhooks.into_iter().enumerate() {
+        let endpoint =
+            webhooks::endpoint(path, i, raw_endpoint, |p| principals.contains_key(p), |d| datasets.contains_key(d))?;
+        if webhooks.iter().any(|w| w.name == endpoint.name) {
+            return Err(error(path, &format!("webhooks[{i}].name"), format!("duplicate endpoint `{}`", endpoint.name)));
+        }
+        webhooks.push(endpoint);
+    }
+
     Ok(Tenant {
         id: raw.id,
         name: raw.name,
@@ -158,7 +171,25 @@ fn load_tenant(path: &Path, schemas: &BTreeMap<DatasetName, Arc<DatasetSchema>>)
         retention: raw.retention,
         feeds: raw.feeds,
         auth: raw.auth,
+        webhooks,
     })
+}
+
+/// A secret written in the file (`secret`) or named by an environment variable (`secret_env`),
+/// and which of the two fields gave it (for messages about its value).
+pub(super) fn secret_text(
+    path: &Path,
+    entry: &str,
+    secret: Option<String>,
+    secret_env: Option<String>,
+) -> Result<(String, &'static str), ConfigError> {
+    match (secret, secret_env) {
+        (Some(secret), None) => Ok((secret, "secret")),
+        (None, Some(var)) => std::env::var(&var).map(|secret| (secret, "secret_env")).map_err(|_| {
+            error(path, &format!("{entry}.secret_env"), format!("environment variable `{var}` is not set"))
+        }),
+        _ => Err(error(path, &format!("{entry}.secret"), "give exactly one of `secret` or `secret_env`")),
+    }
 }
 
 fn signing_key(path: &Path, i: usize, key: KeyFile) -> Result<SigningKey, ConfigError> {
@@ -166,17 +197,7 @@ fn signing_key(path: &Path, i: usize, key: KeyFile) -> Result<SigningKey, Config
     if key.kid.is_empty() || key.kid.len() > 128 || !key.kid.chars().all(|c| c.is_ascii_graphic()) {
         return Err(error(path, &field("kid"), "must be 1-128 visible ASCII characters"));
     }
-    let (secret, source) = match (key.secret, key.secret_env) {
-        (Some(secret), None) => (secret, "secret"),
-        (None, Some(var)) => {
-            let secret = std::env::var(&var)
-                .map_err(|_| error(path, &field("secret_env"), format!("environment variable `{var}` is not set")))?;
-            (secret, "secret_env")
-        }
-        _ => {
-            return Err(error(path, &field("secret"), "give exactly one of `secret` or `secret_env`"));
-        }
-    };
+    let (secret, source) = secret_text(path, &format!("keys[{i}]"), key.secret, key.secret_env)?;
     if secret.len() < MIN_SECRET_BYTES {
         return Err(error(path, &field(source), format!("an HS256 secret needs at least {MIN_SECRET_BYTES} bytes")));
     }
@@ -261,6 +282,6 @@ fn stem(path: &Path) -> &str {
     path.file_stem().and_then(|s| s.to_str()).unwrap_or_default()
 }
 
-fn error(path: &Path, field: &str, message: impl Into<String>) -> ConfigError {
+pub(super) fn error(path: &Path, field: &str, message: impl Into<String>) -> ConfigError {
     ConfigError { file: path.to_owned(), field: field.to_owned(), message: message.into() }
 }

@@ -5,6 +5,7 @@ mod dataset;
 mod file;
 mod names;
 mod settings;
+mod webhooks;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
@@ -14,6 +15,7 @@ use std::sync::Arc;
 pub use dataset::{Column, ColumnType, DatasetSchema};
 pub use names::{ColumnName, DatasetName, PrincipalId, TenantId};
 pub use settings::{Auth, Feeds, Quota, Retention};
+pub use webhooks::{WebhookEndpoint, WebhookEvent};
 
 /// A configuration error: which file, which field, what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,6 +108,8 @@ pub struct Tenant {
     pub retention: Retention,
     pub feeds: Feeds,
     pub auth: Auth,
+    /// `[[webhooks]]`: endpoints told about export and feed events.
+    pub webhooks: Vec<WebhookEndpoint>,
 }
 
 impl Tenant {
@@ -115,6 +119,10 @@ impl Tenant {
 
     pub fn dataset(&self, name: &str) -> Option<&Arc<DatasetSchema>> {
         self.datasets.get(name)
+    }
+
+    pub fn webhook(&self, name: &str) -> Option<&WebhookEndpoint> {
+        self.webhooks.iter().find(|w| w.name == name)
     }
 }
 

@@ -77,16 +77,18 @@ impl Default for Retention {
     }
 }
 
-/// `[feeds]`: the newest window a feed may seal is `now - safety_delay_seconds`.
+/// `[feeds]`: the newest window a feed may seal is `now - safety_delay_seconds`; a partner whose
+/// position is older than `lagging_after_minutes` is lagging (the `feed.lagging` webhook event).
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Feeds {
     pub safety_delay_seconds: u32,
+    pub lagging_after_minutes: u32,
 }
 
 impl Default for Feeds {
     fn default() -> Self {
-        Feeds { safety_delay_seconds: 5 }
+        Feeds { safety_delay_seconds: 5, lagging_after_minutes: 1440 }
     }
 }
 

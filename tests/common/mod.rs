@@ -3,6 +3,7 @@
 
 pub mod processes;
 pub mod proxy;
+pub mod receiver;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -365,6 +366,13 @@ pub fn csv_rows(shard: &[u8]) -> Vec<Vec<String>> {
 
 /// A copy of the fixture tenants with `edit` applied to one tenant file's text.
 pub fn edited_registry(tenant: &str, edit: impl Fn(&str) -> String) -> Arc<Registry> {
+    let dir = edited_tenants_dir(tenant, edit);
+    Arc::new(Registry::load(dir.path()).unwrap())
+}
+
+/// The fixture tenants copied into a temporary directory, with `edit` applied to one tenant
+/// file's text (for a real process's EXPORTD_TENANTS_DIR).
+pub fn edited_tenants_dir(tenant: &str, edit: impl Fn(&str) -> String) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("datasets")).unwrap();
     for entry in std::fs::read_dir(fixture_tenants_dir().join("datasets")).unwrap() {
@@ -380,7 +388,7 @@ pub fn edited_registry(tenant: &str, edit: impl Fn(&str) -> String) -> Arc<Regis
             std::fs::write(dir.path().join(name), text).unwrap();
         }
     }
-    Arc::new(Registry::load(dir.path()).unwrap())
+    dir
 }
 
 /// Every byte of an object, or `None` when it does not exist.

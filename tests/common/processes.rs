@@ -19,7 +19,13 @@ pub async fn database_url(pool: &PgPool) -> String {
 
 /// An `exportd worker` process; its log goes to `log`.
 pub fn spawn_worker(database_url: &str, data_dir: &Path, log: &Path, workers: usize, lease_ttl: &str) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_exportd"))
+    worker_command(database_url, data_dir, log, workers, lease_ttl).spawn().expect("exportd worker starts")
+}
+
+/// The command of [`spawn_worker`], for a test to add settings to.
+pub fn worker_command(database_url: &str, data_dir: &Path, log: &Path, workers: usize, lease_ttl: &str) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_exportd"));
+    command
         .args(["worker", "--workers", &workers.to_string()])
         .env("DATABASE_URL", database_url)
         .env("EXPORTD_TENANTS_DIR", fixture_tenants_dir())
@@ -30,9 +36,8 @@ pub fn spawn_worker(database_url: &str, data_dir: &Path, log: &Path, workers: us
         .env_remove("RUST_BACKTRACE")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap())
-        .spawn()
-        .expect("exportd worker starts")
+        .stderr(std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap());
+    command
 }
 
 /// Sends SIGTERM (what a supervisor sends to stop a service).

@@ -1,0 +1,120 @@
+//! `GET /v1/webhooks/deliveries`, `POST /v1/webhooks/deliveries/{id}/retry`: what was sent to
+//! the tenant's endpoints, for tenant admins.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::{router::OpenApiRouter, routes};
+use uuid::Uuid;
+
+use super::error::{ApiError, ApiResult};
+use super::extract::{Path, Query};
+use super::state::AppState;
+use crate::auth::Caller;
+use crate::tenants::WebhookEvent;
+use crate::webhooks::outbox::{self, DeliveryFilter, DeliveryView};
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(deliveries)).routes(routes!(retry_delivery))
+}
+
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct DeliveriesParams {
+    /// Only this endpoint (its `name` in the tenant file).
+    endpoint: Option<String>,
+    /// Only this event type (`export.succeeded`, …).
+    event: Option<String>,
+    /// `pending`, `delivered` or `failed`.
+    state: Option<String>,
+    /// Only events about this export.
+    export_id: Option<String>,
+    /// `next_cursor` of the previous page.
+    #[param(min_length = 1)]
+    cursor: Option<String>,
+    /// Page size, 1 to 500 (default 100).
+    #[param(minimum = 1, maximum = 500)]
+    limit: Option<u32>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct DeliveriesPage {
+    deliveries: Vec<DeliveryView>,
+    next_cursor: Option<String>,
+}
+
+/// Deliveries to the tenant's webhook endpoints, newest first: event, endpoint, attempts, last
+/// status and error, next attempt.
+#[utoipa::path(get, path = "/v1/webhooks/deliveries", tag = "webhooks", security(("bearer" = [])),
+    params(DeliveriesParams),
+    responses((status = 200, body = DeliveriesPage), (status = 403, description = "not a tenant admin")))]
+async fn deliveries(
+    State(state): State<AppState>,
+    caller: Caller,
+    Query(params): Query<DeliveriesParams>,
+) -> ApiResult<axum::Json<DeliveriesPage>> {
+    admin(&caller)?;
+    let limit = params.limit.unwrap_or(100);
+    if !(1..=500).contains(&limit) {
+        return Err(ApiError::invalid_field("limit", "must be between 1 and 500"));
+    }
+    let event = match params.event.as_deref() {
+        Some(text) => Some(WebhookEvent::parse(text).ok_or_else(|| {
+            let known: Vec<&str> = WebhookEvent::ALL.iter().map(|e| e.as_str()).collect();
+            ApiError::invalid_field("event", format!("one of {}", known.join(", ")))
+        })?),
+        None => None,
+    };
+    if params.state.as_deref().is_some_and(|s| !["pending", "delivered", "failed"].contains(&s)) {
+        return Err(ApiError::invalid_field("state", "one of pending, delivered, failed"));
+    }
+    let export_id = match params.export_id.as_deref() {
+        Some(text) => {
+            Some(Uuid::parse_str(text).map_err(|_| ApiError::invalid_field("export_id", "not an export id"))?)
+        }
+        None => None,
+    };
+    let before = match params.cursor.as_deref() {
+        Some(text) => {
+            Some(text.parse::<i64>().map_err(|_| ApiError::invalid_field("cursor", "not a cursor from this listing"))?)
+        }
+        None => None,
+    };
+    let filter = DeliveryFilter {
+        endpoint: params.endpoint.as_deref(),
+        event,
+        state: params.state.as_deref(),
+        export_id,
+        before,
+    };
+    let (deliveries, next) = outbox::list(&state.pool, caller.tenant.id.as_str(), &filter, limit).await?;
+    Ok(axum::Json(DeliveriesPage { deliveries, next_cursor: next.map(|seq| seq.to_string()) }))
+}
+
+/// Schedules a delivered or failed delivery again now (same event id and body, a fresh retry
+/// period); a pending one is left as it is.
+#[utoipa::path(post, path = "/v1/webhooks/deliveries/{id}/retry", tag = "webhooks", security(("bearer" = [])),
+    params(("id" = String, Path)),
+    responses((status = 202, body = DeliveryView, description = "scheduled (or still pending)"),
+        (status = 403, description = "not a tenant admin"), (status = 404, description = "no such delivery")))]
+async fn retry_delivery(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> ApiResult<(StatusCode, axum::Json<DeliveryView>)> {
+    admin(&caller)?;
+    let missing = || ApiError::not_found("no such delivery");
+    let id = Uuid::parse_str(&id).map_err(|_| missing())?;
+    let view = outbox::retry(&state.pool, caller.tenant.id.as_str(), id, state.webhook_retry_for).await?;
+    let view = view.ok_or_else(missing)?;
+    Ok((StatusCode::ACCEPTED, axum::Json(view)))
+}
+
+fn admin(caller: &Caller) -> ApiResult<()> {
+    if caller.principal.is_admin() {
+        Ok(())
+    } else {
+        Err(ApiError::forbidden("only tenant admins can see webhook deliveries"))
+    }
+}

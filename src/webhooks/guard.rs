@@ -1,0 +1,162 @@
+//! SSRF protection: a webhook URL is the tenant's to choose, so where it may lead is ours. Every
+//! address an attempt would connect to — after DNS, on every attempt, so a name re-pointed at
+//! an internal address is caught — must be public, or inside a network the operator allowed.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+
+use ipnet::IpNet;
+
+/// The operator's exceptions (`EXPORTD_WEBHOOK_ALLOW_NETS`).
+#[derive(Debug, Clone, Default)]
+pub struct AddressGuard {
+    allowed: Vec<IpNet>,
+}
+
+impl AddressGuard {
+    pub fn new(allowed: Vec<IpNet>) -> AddressGuard {
+        AddressGuard { allowed }
+    }
+
+    /// `Err` names why `ip` may not be connected to.
+    pub fn check(&self, ip: IpAddr) -> Result<(), String> {
+        let ip = canonical(ip);
+        match non_public_kind(ip) {
+            Some(kind) if !self.allowed.iter().any(|net| net.contains(&ip)) => {
+                Err(format!("refused: {ip} is a {kind} address (allow it with EXPORTD_WEBHOOK_ALLOW_NETS)"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// An IPv4-mapped IPv6 address (`::ffff:127.0.0.1`) is the IPv4 address it maps.
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+/// What kind of non-public address `ip` is, if it is one.
+fn non_public_kind(ip: IpAddr) -> Option<&'static str> {
+    match ip {
+        IpAddr::V4(v4) => v4_kind(v4),
+        IpAddr::V6(v6) => v6_kind(v6),
+    }
+}
+
+fn v4_kind(ip: Ipv4Addr) -> Option<&'static str> {
+    let [a, b, ..] = ip.octets();
+    if ip.is_loopback() {
+        Some("loopback")
+    } else if ip.is_private() {
+        Some("private")
+    } else if ip.is_link_local() {
+        Some("link-local (cloud metadata)")
+    } else if ip.is_unspecified() || a == 0 {
+        Some("unspecified")
+    } else if a == 100 && (64..128).contains(&b) {
+        Some("shared (carrier-grade NAT)")
+    } else if ip.is_multicast() || ip.is_broadcast() || a >= 240 {
+        Some("multicast or reserved")
+    } else if ip.is_documentation() || (a == 198 && (18..20).contains(&b)) || (a == 192 && b == 0) {
+        Some("reserved")
+    } else {
+        None
+    }
+}
+
+fn v6_kind(ip: Ipv6Addr) -> Option<&'static str> {
+    let first = ip.segments()[0];
+    if ip.is_loopback() {
+        Some("loopback")
+    } else if ip.is_unspecified() {
+        Some("unspecified")
+    } else if ip.is_unique_local() {
+        Some("private (unique local)")
+    } else if ip.is_unicast_link_local() {
+        Some("link-local")
+    } else if ip.is_multicast() {
+        Some("multicast")
+    } else if first == 0x64 && ip.segments()[1] == 0xff9b {
+        Some("NAT64 (maps IPv4)")
+    } else if first == 0x2001 && ip.segments()[1] == 0x0db8 {
+        Some("documentation")
+    } else if first == 0x2002 || (first == 0x2001 && ip.segments()[1] == 0) {
+        Some("6to4 or Teredo (maps IPv4)")
+    } else {
+        None
+    }
+}
+
+/// The HTTP client's resolver: the system's answer, with every refused address removed; a name
+/// with nothing left fails the attempt with the first refusal's reason.
+pub struct GuardedResolver(pub Arc<AddressGuard>);
+
+impl reqwest::dns::Resolve for GuardedResolver {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let guard = self.0.clone();
+        let host = name.as_str().to_owned();
+        Box::pin(async move {
+            let found: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            let mut refusal = None;
+            let allowed: Vec<SocketAddr> = found
+                .into_iter()
+                .filter(|addr| match guard.check(addr.ip()) {
+                    Ok(()) => true,
+                    Err(reason) => {
+                        refusal.get_or_insert(reason);
+                        false
+                    }
+                })
+                .collect();
+            if allowed.is_empty() {
+                let reason = refusal.unwrap_or_else(|| "the name resolves to no address".into());
+                return Err(format!("{host}: {reason}").into());
+            }
+            Ok(Box::new(allowed.into_iter()) as reqwest::dns::Addrs)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(guard: &AddressGuard, ip: &str) -> bool {
+        guard.check(ip.parse().unwrap()).is_err()
+    }
+
+    #[test]
+    fn internal_addresses_are_refused_unless_allowed() {
+        let guard = AddressGuard::default();
+        for ip in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "0.0.0.0",
+            "100.64.0.1",
+            "::1",
+            "::ffff:127.0.0.1",
+            "::ffff:169.254.169.254",
+            "fd00:ec2::254",
+            "fe80::1",
+            "64:ff9b::7f00:1",
+            "::",
+        ] {
+            assert!(refused(&guard, ip), "{ip} must be refused");
+        }
+        for ip in ["93.184.216.34", "1.1.1.1", "2606:4700:4700::1111"] {
+            assert!(!refused(&guard, ip), "{ip} is public");
+        }
+        let allowed = AddressGuard::new(vec!["127.0.0.0/8".parse().unwrap()]);
+        assert!(!refused(&allowed, "127.0.0.1"));
+        assert!(!refused(&allowed, "::ffff:127.0.0.1"));
+        assert!(refused(&allowed, "169.254.169.254"));
+        let message = guard.check("169.254.169.254".parse().unwrap()).unwrap_err();
+        assert!(message.contains("link-local") && message.contains("EXPORTD_WEBHOOK_ALLOW_NETS"), "{message}");
+    }
+}
