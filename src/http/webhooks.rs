@@ -23,15 +23,19 @@ pub fn router() -> OpenApiRouter<AppState> {
 #[into_params(parameter_in = Query)]
 pub struct DeliveriesParams {
     /// Only this endpoint (its `name` in the tenant file).
+    #[param(pattern = "^[A-Za-z0-9._-]{1,64}$")]
     endpoint: Option<String>,
-    /// Only this event type (`export.succeeded`, …).
+    /// Only this event type.
+    #[param(pattern = r"^(export\.(succeeded|failed|cancelled|expired|revoked)|feed\.lagging)$")]
     event: Option<String>,
-    /// `pending`, `delivered` or `failed`.
+    /// Only deliveries in this state.
+    #[param(pattern = "^(pending|delivered|failed)$")]
     state: Option<String>,
     /// Only events about this export.
+    #[param(format = Uuid)]
     export_id: Option<String>,
     /// `next_cursor` of the previous page.
-    #[param(min_length = 1)]
+    #[param(pattern = "^[0-9]{1,18}$")]
     cursor: Option<String>,
     /// Page size, 1 to 500 (default 100).
     #[param(minimum = 1, maximum = 500)]
@@ -58,6 +62,11 @@ async fn deliveries(
     let limit = params.limit.unwrap_or(100);
     if !(1..=500).contains(&limit) {
         return Err(ApiError::invalid_field("limit", "must be between 1 and 500"));
+    }
+    let name_ok =
+        |n: &str| (1..=64).contains(&n.len()) && n.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    if params.endpoint.as_deref().is_some_and(|n| !name_ok(n)) {
+        return Err(ApiError::invalid_field("endpoint", "an endpoint name: 1-64 letters, digits, `-`, `_` or `.`"));
     }
     let event = match params.event.as_deref() {
         Some(text) => Some(WebhookEvent::parse(text).ok_or_else(|| {

@@ -28,8 +28,9 @@ use guard::AddressGuard;
 use outbox::{Attempt, Outcome};
 use send::Sender;
 
-/// Deliveries attempted at once by one process.
+/// Deliveries attempted at once by one process, and at most this many of one tenant.
 const PARALLEL_ATTEMPTS: i64 = 16;
+const PARALLEL_ATTEMPTS_PER_TENANT: i64 = 4;
 /// How often an idle loop looks for work.
 const IDLE_POLL: Duration = Duration::from_millis(500);
 /// How often lagging partners are looked for.
@@ -78,7 +79,8 @@ impl Deliverer {
         outbox::route(&self.pool, &self.registry, public_url, self.settings.webhook_retry_for).await?;
         // An attempt takes at most the timeout (it bounds the whole request); then its result is recorded.
         let lease = self.settings.webhook_timeout + Duration::from_secs(5);
-        let attempts = outbox::claim(&self.pool, &self.owner, lease, PARALLEL_ATTEMPTS).await?;
+        let attempts =
+            outbox::claim(&self.pool, &self.owner, lease, PARALLEL_ATTEMPTS, PARALLEL_ATTEMPTS_PER_TENANT).await?;
         let count = attempts.len();
         let runs = attempts.into_iter().map(|attempt| self.deliver(attempt));
         for result in futures_util::future::join_all(runs).await {

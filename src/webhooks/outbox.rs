@@ -109,16 +109,27 @@ pub struct Attempt {
 
 /// Leases up to `limit` due deliveries for one attempt each: per endpoint only its oldest
 /// pending delivery, and only when no attempt of that endpoint is in flight — so an endpoint
-/// gets one request at a time, oldest event first.
-pub async fn claim(pool: &PgPool, owner: &str, lease: Duration, limit: i64) -> sqlx::Result<Vec<Attempt>> {
+/// gets one request at a time, oldest event first — and at most `per_tenant` of one tenant, so
+/// a tenant with many slow endpoints cannot hold every attempt slot.
+pub async fn claim(
+    pool: &PgPool,
+    owner: &str,
+    lease: Duration,
+    limit: i64,
+    per_tenant: i64,
+) -> sqlx::Result<Vec<Attempt>> {
     sqlx::query_as(
         "WITH heads AS (
-             SELECT DISTINCT ON (tenant, endpoint) id, next_attempt_at, lease_expires_at
+             SELECT DISTINCT ON (tenant, endpoint) id, tenant, next_attempt_at, lease_expires_at
                FROM webhook_deliveries WHERE state = 'pending' ORDER BY tenant, endpoint, seq),
+         ready AS (
+             SELECT id, next_attempt_at, row_number() OVER (PARTITION BY tenant ORDER BY next_attempt_at) AS nth
+               FROM heads
+              WHERE next_attempt_at <= now() AND (lease_expires_at IS NULL OR lease_expires_at < now())),
          due AS (
-             SELECT d.id FROM webhook_deliveries d JOIN heads h ON h.id = d.id
-              WHERE h.next_attempt_at <= now() AND (h.lease_expires_at IS NULL OR h.lease_expires_at < now())
-              ORDER BY h.next_attempt_at LIMIT $3 FOR UPDATE OF d SKIP LOCKED)
+             SELECT d.id FROM webhook_deliveries d JOIN ready r ON r.id = d.id
+              WHERE r.nth <= $4
+              ORDER BY r.next_attempt_at LIMIT $3 FOR UPDATE OF d SKIP LOCKED)
          UPDATE webhook_deliveries d
             SET attempts = d.attempts + 1, lease_owner = $1,
                 lease_expires_at = now() + make_interval(secs => $2), last_attempt_at = now()
@@ -130,6 +141,7 @@ pub async fn claim(pool: &PgPool, owner: &str, lease: Duration, limit: i64) -> s
     .bind(owner)
     .bind(lease.as_secs_f64())
     .bind(limit)
+    .bind(per_tenant)
     .fetch_all(pool)
     .await
 }
