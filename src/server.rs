@@ -161,6 +161,8 @@ pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> 
             }
         }
     } else {
+        // Endpoints this process could never deliver to stop it before any work starts.
+        let deliverer = webhook_deliverer(settings, deps.pool.clone(), deps.registry.clone())?;
         tracing::info!(workers, "exportd worker started");
         let shutdown = shutdown_channel();
         let roles = Roles { api: false, workers: true };
@@ -169,7 +171,6 @@ pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> 
         handles.extend(jobs::spawn_workers(&deps, workers, &shutdown));
         handles.push(spawn_cleaner(&deps, Clock::system(), CLEAN_EVERY, &shutdown));
         handles.push(tokio::spawn(feeds::run_ticker(deps.pool.clone(), TICK_EVERY, shutdown.clone())));
-        let deliverer = webhook_deliverer(settings, deps.pool.clone(), deps.registry.clone())?;
         handles.push(tokio::spawn(webhooks::run(deliverer, Clock::system(), shutdown.clone())));
         // Runs until told to stop; only then do the workers get the drain time.
         let _ = shutdown.clone().wait_for(|stop| *stop).await;
