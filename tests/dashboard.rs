@@ -51,7 +51,7 @@ async fn the_dashboard_shows_the_numbers_of_the_usage_api(pool: PgPool) {
     let done = app.export(&admin, &json!({"dataset": "tickets", "format": "csv", "shard_rows": 20})).await;
     app.drain().await;
     app.get(Some(&admin), &format!("/v1/exports/{done}/file")).await.bytes().await.unwrap();
-    app.export(&admin, &json!({"dataset": "contacts", "format": "csv"})).await; // stays queued
+    let queued = app.export(&admin, &json!({"dataset": "tickets", "format": "csv"})).await; // stays queued
     let usage: Value = app.get(Some(&admin), "/v1/usage").await.json().await.unwrap();
 
     let dir = tempfile::tempdir().unwrap();
@@ -68,6 +68,9 @@ async fn the_dashboard_shows_the_numbers_of_the_usage_api(pool: PgPool) {
     assert_eq!(shown(&dom, "data-state", "SUCCEEDED"), "1");
     assert_eq!(shown(&dom, "data-state", "QUEUED"), "1");
     assert!(dom.contains(&done), "recent exports are listed");
+    assert_eq!(shown(&dom, "data-expected-rows", &queued), "50", "the estimate taken at creation");
+    assert_eq!(shown(&dom, "data-expected-rows", &done), "50");
+    assert_eq!(shown(&dom, "data-eta", &queued), "–", "no ETA before it runs");
 
     let screenshot: PathBuf = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
     let _ = std::fs::remove_file(&screenshot);

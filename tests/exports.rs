@@ -99,7 +99,8 @@ async fn status_and_manifest_describe_the_published_export(pool: PgPool) {
     assert_eq!(done["state"], "SUCCEEDED");
     assert_eq!(
         done["progress"],
-        json!({"shards_done": 3, "rows_done": 120, "bytes_done": done["progress"]["bytes_done"], "shards_total": 3, "rows_total": 120})
+        json!({"shards_done": 3, "rows_done": 120, "bytes_done": done["progress"]["bytes_done"], "shards_total": 3, "rows_total": 120,
+            "rows_total_estimate": 120, "eta_seconds": null})
     );
     assert_eq!(done["next_poll_after_seconds"], Value::Null);
     assert_eq!(done["manifest_url"], format!("/v1/exports/{id}/manifest"));
@@ -533,4 +534,176 @@ async fn an_empty_dataset_exports_one_header_only_shard(pool: PgPool) {
         csv_rows(&shards[0]),
         vec![vec!["id", "name", "email", "region", "phone", "lifetime_value", "created_at"]]
     );
+}
+
+async fn estimate(app: &TestApp, token: &str, body: &Value) -> reqwest::Response {
+    app.client.post(app.url("/v1/exports/estimate")).bearer_auth(token).json(body).send().await.unwrap()
+}
+
+async fn estimated(app: &TestApp, token: &str, body: &Value) -> Value {
+    let response = estimate(app, token, body).await;
+    assert_eq!(response.status(), 200);
+    response.json().await.unwrap()
+}
+
+async fn live_count(pool: &PgPool, condition: &str) -> u64 {
+    let sql =
+        format!("SELECT count(*) FROM record_versions WHERE closed_xid IS NULL AND data IS NOT NULL AND {condition}");
+    sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(sql)).fetch_one(pool).await.unwrap() as u64
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn an_estimate_counts_a_small_dataset_exactly_and_creates_nothing(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 300).await;
+    let (admin, partner) = (app.token("acme", "alice"), app.token("acme", "zenpartner"));
+    let body = json!({"dataset": "tickets", "format": "csv", "shard_rows": 100});
+    let guess = estimated(&app, &admin, &body).await;
+    assert_eq!(guess["estimate"], true);
+    assert_eq!(guess["rows"], json!({"value": 300, "low": 300, "high": 300, "method": "counted"}));
+    assert_eq!(guess["shards"], 3);
+    assert_eq!(guess["bytes"]["method"], "sample_encoded");
+    assert_eq!(guess["bytes"]["sample_rows"], 300);
+    assert_eq!(guess["duration"]["method"], "default_rate");
+    assert_eq!(guess["duration"]["exports_ahead"], 0);
+    let jobs: i64 = sqlx::query_scalar("SELECT count(*) FROM export_jobs").fetch_one(&app.pool).await.unwrap();
+    assert_eq!(jobs, 0, "an estimate queues nothing");
+
+    // The file it estimated: every byte of the sample was the real data, so the sizes are close.
+    let id = app.export(&admin, &body).await;
+    let queued: Value = app.get(Some(&admin), &format!("/v1/exports/{id}")).await.json().await.unwrap();
+    assert_eq!(queued["progress"]["rows_total_estimate"], 300, "counted at creation");
+    assert_eq!(queued["progress"]["eta_seconds"], Value::Null, "no ETA before it runs");
+    let ahead = estimated(&app, &admin, &body).await;
+    assert_eq!(ahead["duration"]["exports_ahead"], 1);
+    let partner_view = estimated(&app, &partner, &json!({"dataset": "tickets", "format": "csv"})).await;
+    assert_eq!(partner_view["duration"]["exports_ahead"], 0, "a partner counts only its own exports");
+    app.drain().await;
+    let done: Value = app.get(Some(&admin), &format!("/v1/exports/{id}")).await.json().await.unwrap();
+    let file_bytes = done["file"]["bytes"].as_f64().unwrap();
+    let gzip = guess["bytes"]["gzip"].as_f64().unwrap();
+    assert!((gzip / file_bytes - 1.0).abs() < 0.1, "estimated {gzip} gzip bytes, the file has {file_bytes}");
+    let files = app.own_shard_files(&id).await;
+    let first = gunzip(&files[0]);
+    let head = first.windows(2).position(|w| w == b"\r\n").unwrap() + 2; // BOM and header row
+    let text = files.iter().map(|f| gunzip(f).len()).sum::<usize>() - (files.len() - 1) * head;
+    let uncompressed = guess["bytes"]["uncompressed"].as_f64().unwrap();
+    assert!(
+        (uncompressed / text as f64 - 1.0).abs() < 0.05,
+        "estimated {uncompressed} bytes of CSV, the file has {text}"
+    );
+
+    // Filters and a partner's row filter are counted as the export would apply them.
+    let open =
+        estimated(&app, &admin, &json!({"dataset": "tickets", "format": "jsonl", "filter": {"status": "open"}})).await;
+    assert_eq!(open["rows"]["value"], live_count(&app.pool, "data->>'status' = 'open'").await);
+    let emea = partner_view["rows"]["value"].as_u64().unwrap();
+    assert_eq!(emea, live_count(&app.pool, "data->>'region' = 'emea'").await);
+    assert!(emea > 0 && emea < 300);
+
+    // Refused like a create, naming the field.
+    let unknown = estimate(&app, &admin, &json!({"dataset": "nope", "format": "csv"})).await;
+    assert_eq!(unknown.status(), 400);
+    assert_eq!(problem(unknown).await["field"], "dataset");
+    let column = estimate(&app, &admin, &json!({"dataset": "tickets", "format": "csv", "columns": ["nope"]})).await;
+    assert_eq!(problem(column).await["field"], "columns[0]");
+    let not_granted = estimate(&app, &partner, &json!({"dataset": "contacts", "format": "csv"})).await;
+    assert_eq!(not_granted.status(), 403);
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_large_dataset_is_sampled_and_the_truth_lies_in_the_interval(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("globex", "tickets", 20_000).await; // another tenant's rows share the table's pages
+    app.seed("acme", "tickets", 80_000).await;
+    let admin = app.token("acme", "alice");
+    for (body, condition) in [
+        (json!({"dataset": "tickets", "format": "csv"}), "tenant = 'acme'"),
+        (
+            json!({"dataset": "tickets", "format": "csv", "filter": {"status": "open"}}),
+            "tenant = 'acme' AND data->>'status' = 'open'",
+        ),
+    ] {
+        let guess = estimated(&app, &admin, &body).await;
+        let truth = live_count(&app.pool, condition).await;
+        let rows = &guess["rows"];
+        assert_eq!(rows["method"], "sampled", "{guess}");
+        let (value, low, high) =
+            (rows["value"].as_u64().unwrap(), rows["low"].as_u64().unwrap(), rows["high"].as_u64().unwrap());
+        assert!(low <= truth && truth <= high, "{truth} rows, estimated {rows}");
+        assert!((value as f64 / truth as f64 - 1.0).abs() < 0.1, "{truth} rows, estimated {rows}");
+        assert_eq!(guess["bytes"]["sample_rows"], 1000);
+    }
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_running_export_reports_its_total_and_eta_and_estimates_learn_from_finished_exports(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 12_000).await;
+    let admin = app.token("acme", "alice");
+    let body = json!({"dataset": "tickets", "format": "csv", "shard_rows": 4000});
+    let id = app.export(&admin, &body).await;
+    let mut deps = app.deps();
+    deps.config.page_rows = 1000;
+    let mut run = ClaimedExport::claim(&deps, "w1").await.unwrap().unwrap();
+    assert!(matches!(run.step().await.unwrap(), Step::ShardWritten { index: 0, .. }));
+    // As if the first 4000 rows had taken 100 s: 8000 rows left at 40 rows/s.
+    sqlx::query("UPDATE export_jobs SET started_at = now() - interval '100 seconds' WHERE id = $1::uuid")
+        .bind(&id)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let running: Value = app.get(Some(&admin), &format!("/v1/exports/{id}")).await.json().await.unwrap();
+    assert_eq!(running["state"], "RUNNING");
+    assert_eq!(running["progress"]["rows_done"], 4000);
+    assert_eq!(running["progress"]["rows_total_estimate"], 12_000, "the complete plan is exact");
+    let eta = running["progress"]["eta_seconds"].as_u64().unwrap();
+    assert!((199..=202).contains(&eta), "eta {eta}");
+    let mut steps = 0;
+    while !matches!(run.step().await.unwrap(), Step::Published) {
+        steps += 1;
+        assert!(steps < 10, "two shards and a publish");
+    }
+
+    let guess = estimated(&app, &admin, &body).await;
+    assert_eq!(guess["duration"]["method"], "recent_exports_of_dataset");
+    let rate = guess["duration"]["rows_per_second"].as_u64().unwrap();
+    assert!(rate < 200, "measured on the export that ran at about 12 000 rows in 100 s: {rate}");
+    let contacts = estimated(&app, &admin, &json!({"dataset": "contacts", "format": "csv"})).await;
+    assert_eq!(contacts["duration"]["method"], "recent_exports_of_tenant");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn an_incremental_estimate_counts_the_keys_changed_since_the_cursor(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 50).await;
+    let admin = app.token("acme", "alice");
+    let cursor = app.cursor_now(&admin, "tickets").await;
+    let mut conn = app.pool.acquire().await.unwrap();
+    for i in 0..20 {
+        upsert(&mut conn, &format!("tickets-{i:09}"), "changed").await;
+        upsert(&mut conn, &format!("tickets-{i:09}"), "changed twice").await;
+    }
+    for i in 20..25 {
+        sqlx::query("SELECT exportd_delete('acme', 'tickets', $1)")
+            .bind(format!("tickets-{i:09}"))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+    }
+    let guess = estimated(
+        &app,
+        &admin,
+        &json!({"dataset": "tickets", "format": "jsonl", "mode": "incremental", "since": cursor}),
+    )
+    .await;
+    assert_eq!(guess["rows"], json!({"value": 25, "low": 25, "high": 25, "method": "changes_counted"}));
+    let bad = estimate(
+        &app,
+        &admin,
+        &json!({"dataset": "tickets", "format": "jsonl", "mode": "incremental", "since": "nope"}),
+    )
+    .await;
+    assert_eq!(bad.status(), 400);
+    assert_eq!(problem(bad).await["field"], "since");
 }

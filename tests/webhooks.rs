@@ -11,7 +11,7 @@ use common::{TestApp, edited_registry, full_csv};
 use exportd::config::WebhookSettings;
 use exportd::tenants::Registry;
 use exportd::webhooks::Deliverer;
-use serde_json::Value;
+use serde_json::{Value, json};
 use sqlx::PgPool;
 
 fn settings(first_retry: Duration, timeout: Duration, retry_for: Duration, allow_loopback: bool) -> WebhookSettings {
@@ -336,6 +336,12 @@ async fn a_partner_that_stops_pulling_raises_feed_lagging_once_per_episode(pool:
     app.pull(&zen, "tickets", &cursor, 10).await;
     app.clock.advance(Duration::from_secs(2 * 3600));
     assert_eq!(deliverer.check_lag(app.clock.now()).await.unwrap(), 1);
+
+    // An incremental export reads the feed too: creating one from a recent cursor catches up.
+    let cursor = app.cursor_now(&zen, "tickets").await;
+    app.export(&zen, &json!({"dataset": "tickets", "format": "jsonl", "mode": "incremental", "since": cursor})).await;
+    app.clock.advance(Duration::from_secs(2 * 3600));
+    assert_eq!(deliverer.check_lag(app.clock.now()).await.unwrap(), 1, "a new episode after catching up");
 }
 
 #[sqlx::test(migrations = "./migrations")]

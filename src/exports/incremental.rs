@@ -20,6 +20,8 @@ pub struct Start {
     pub cursor: String,
     pub from: String,
     pub after: Option<String>,
+    /// When the start position was taken (unix seconds): where the partner's feed stands.
+    pub position_ts: i64,
     /// The newest tick sealed now: the export ends with the window that reaches it.
     pub until_tick: i64,
 }
@@ -60,7 +62,7 @@ pub async fn start(
     })?;
     let until_tick =
         feeds::newest_sealed_tick(pool, feed.now, caller.tenant.feeds.safety_delay_seconds).await?.unwrap_or(0);
-    Ok(Start { cursor: text, from: cursor.from, after: cursor.after, until_tick })
+    Ok(Start { cursor: text, from: cursor.from, after: cursor.after, position_ts: cursor.ts, until_tick })
 }
 
 /// Sets the principal's stored cursor for a dataset (inside the publishing transaction).

@@ -2,6 +2,7 @@
 //! listing, cancelling, and the published manifest. Workers run them (see `jobs`).
 
 pub mod download;
+pub mod estimate;
 mod incremental;
 pub mod layout;
 mod manifest;
@@ -17,7 +18,7 @@ use uuid::Uuid;
 pub use incremental::{FeedContext, store_cursor};
 pub use layout::{Layout, Segment, ShardRecord, last_shard, shards};
 pub use manifest::{MANIFEST_VERSION, Manifest, ManifestFile, ManifestShard, shard_name};
-pub use request::{DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode, OP_COLUMN};
+pub use request::{DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode, OP_COLUMN, with_op};
 pub use state::ExportState;
 
 use crate::auth::Caller;
@@ -113,13 +114,19 @@ pub struct ExportJob {
     pub start_from: Option<String>,
     pub start_after: Option<String>,
     pub until_tick: Option<i64>,
+    /// Rows a census expected at creation (see [`estimate`]).
+    pub rows_estimate: Option<i64>,
+    /// Rows of the shard plan so far; the exact total once a full export's plan is complete.
+    pub planned_rows: i64,
+    pub plan_complete: bool,
 }
 
 /// The SELECT list matching [`ExportJob`].
 pub(crate) const JOB_COLUMNS: &str = "id, tenant, principal, dataset, mode, format, request, request_sha256, state, \
      watermark::text AS watermark, columns, filter, row_filter, shard_rows, created_at, started_at, finished_at, \
      lease_generation, attempts, stalled_attempts, shards_done, rows_done, bytes_done, error_code, error_detail, manifest_sha256, \
-     file_bytes, file_sha256, expires_at, from_cursor, start_from, start_after, until_tick";
+     file_bytes, file_sha256, expires_at, from_cursor, start_from, start_after, until_tick, rows_estimate, \
+     planned_rows, plan_complete";
 
 /// The outcome of a create: the job, and whether it already existed for this key.
 #[derive(Debug)]
@@ -192,8 +199,8 @@ pub async fn create(
     .bind(&request_sha256)
     .bind(&key.0)
     .bind(serde_json::to_value(&spec.columns).expect("serializable"))
-    .bind(Value::Object(spec.filter))
-    .bind(Value::Object(spec.row_filter))
+    .bind(Value::Object(spec.filter.clone()))
+    .bind(Value::Object(spec.row_filter.clone()))
     .bind(spec.shard_rows as i32)
     .bind(start.as_ref().map(|s| s.cursor.as_str()))
     .bind(start.as_ref().map(|s| s.from.as_str()))
@@ -207,7 +214,29 @@ pub async fn create(
     })?;
     tx.commit().await?;
     match inserted {
-        Some(job) => Ok(Created { job, replayed: false }),
+        Some(mut job) => {
+            // After the commit, so a refused create costs no census; best effort: a job without
+            // an estimate only lacks an ETA until its plan is known.
+            let from = start.as_ref().map(|s| s.from.as_str());
+            match estimate::store_rows(pool, caller, &spec, from, job.id).await {
+                Ok(rows) => job.rows_estimate = rows,
+                Err(e) => tracing::warn!(export = %job.id, error = %e, "estimating a new export's rows failed"),
+            }
+            if let Some(start) = &start {
+                // An incremental export reads the feed from its start, as a changes page does.
+                let (principal, dataset) = (caller.principal.id.as_str(), spec.dataset.as_str());
+                crate::webhooks::lag::record_position(
+                    pool,
+                    &caller.tenant,
+                    principal,
+                    dataset,
+                    start.position_ts,
+                    feed.now,
+                )
+                .await?;
+            }
+            Ok(Created { job, replayed: false })
+        }
         None => {
             let existing = find_by_key(pool, caller, key).await?.ok_or(ExportError::NotFound)?;
             replay(existing, &request_sha256)

@@ -14,6 +14,16 @@ pub const DEFAULT_SHARD_ROWS: u32 = 100_000;
 pub const OP_COLUMN: &str = "_op";
 pub const MAX_SHARD_ROWS: u32 = 1_000_000;
 
+/// The record's JSON object with the `_op` field first.
+pub fn with_op(op: &str, data: &str) -> String {
+    let rest = data.trim_start().strip_prefix('{').unwrap_or("}").trim_start();
+    if rest.starts_with('}') {
+        format!("{{\"{OP_COLUMN}\":\"{op}\"}}")
+    } else {
+        format!("{{\"{OP_COLUMN}\":\"{op}\",{rest}")
+    }
+}
+
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
@@ -188,6 +198,12 @@ mod tests {
         let c = parse(json!({"dataset": "tickets", "format": "jsonl"}));
         assert_ne!(a.canonical().1, c.canonical().1);
         assert_eq!(a.canonical().1, r#"{"dataset":"tickets","format":"csv","mode":"full","shard_rows":100000}"#);
+    }
+
+    #[test]
+    fn op_goes_first_in_the_record() {
+        assert_eq!(with_op("upsert", r#"{"a": 1}"#), r#"{"_op":"upsert","a": 1}"#);
+        assert_eq!(with_op("delete", "{}"), r#"{"_op":"delete"}"#);
     }
 
     #[test]

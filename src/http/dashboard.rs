@@ -92,7 +92,7 @@ async fn dashboard(State(state): State<AppState>, headers: HeaderMap) -> Respons
     let usage = super::usage::tenant_usage(&state, &caller.tenant).await;
     let recent = exports::list(&state.pool, &caller, None, None, 20).await;
     match (usage, recent) {
-        (Ok(usage), Ok(recent)) => page(StatusCode::OK, &render(&caller, &usage, &recent.jobs)),
+        (Ok(usage), Ok(recent)) => page(StatusCode::OK, &render(&caller, &usage, &recent.jobs, state.clock.now())),
         _ => page(StatusCode::INTERNAL_SERVER_ERROR, "<p>The dashboard could not be loaded; see the server log.</p>"),
     }
 }
@@ -133,7 +133,7 @@ fn sign_in_form(error: Option<&str>) -> String {
     )
 }
 
-fn render(caller: &Caller, usage: &Usage, recent: &[ExportJob]) -> String {
+fn render(caller: &Caller, usage: &Usage, recent: &[ExportJob], now: time::OffsetDateTime) -> String {
     let (u, l) = (&usage.usage, &usage.limits);
     let mut html = format!(
         "<h1>{} <small>({})</small></h1><h2>Usage against limits</h2><table class=usage>",
@@ -182,17 +182,22 @@ fn render(caller: &Caller, usage: &Usage, recent: &[ExportJob]) -> String {
     for (state, count) in &usage.queue.states {
         let _ = write!(html, "<th>{}</th><td data-state={}>{count}</td>", escape(state), escape(state));
     }
-    html.push_str("</tr></table><h2>Recent exports</h2><table><tr><th>Export</th><th>Dataset</th><th>State</th><th>Shards</th><th>Rows</th><th>Created</th></tr>");
+    html.push_str("</tr></table><h2>Recent exports</h2><table><tr><th>Export</th><th>Dataset</th><th>State</th><th>Shards</th><th>Rows</th><th>Expected rows</th><th>ETA</th><th>Created</th></tr>");
     for job in recent {
+        let outlook = job.outlook(now);
         let _ = write!(
             html,
-            "<tr><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            "<tr><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
+             <td data-expected-rows={id}>{}</td><td data-eta={id}>{}</td><td>{}</td></tr>",
             job.id,
             escape(&job.dataset),
             job.state.as_str(),
             job.shards_done,
             job.rows_done,
-            job.created_at.format(&time::format_description::well_known::Rfc3339).unwrap_or_default()
+            outlook.rows_total_estimate.map_or("–".to_owned(), |rows| rows.to_string()),
+            outlook.eta_seconds.map_or("–".to_owned(), |s| format!("{s} s")),
+            job.created_at.format(&time::format_description::well_known::Rfc3339).unwrap_or_default(),
+            id = job.id,
         );
     }
     html.push_str("</table><p><small>Refreshes every 10 seconds.</small></p>");

@@ -16,6 +16,7 @@ use super::state::AppState;
 use crate::audit::{self, AuditEvent};
 use crate::auth::Caller;
 use crate::exports::download::Object;
+use crate::exports::estimate::Estimate;
 use crate::exports::{
     self, Cancel, ExportError, ExportJob, ExportRequest, ExportState, FeedContext, IdempotencyKey, Mode, Revoke,
 };
@@ -28,6 +29,7 @@ const MAX_PAGE: u32 = 200;
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .routes(routes!(create_export, list_exports))
+        .routes(routes!(estimate_export))
         .routes(routes!(get_export, revoke_export))
         .routes(routes!(cancel_export))
         .routes(routes!(get_manifest))
@@ -109,6 +111,12 @@ pub struct Progress {
     /// Known once the export has succeeded (the row count at the watermark is not computed up front).
     shards_total: Option<i32>,
     rows_total: Option<i64>,
+    /// The rows the export is expected to have: exact once a full export's shards are planned,
+    /// before that the estimate taken at creation (see `POST /v1/exports/estimate`).
+    rows_total_estimate: Option<u64>,
+    /// Seconds until the export is expected to finish, from the rows done so far and their rate;
+    /// while RUNNING, once some rows are done.
+    eta_seconds: Option<u64>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -117,9 +125,11 @@ pub struct ErrorView {
     detail: String,
 }
 
-impl From<ExportJob> for ExportView {
-    fn from(job: ExportJob) -> Self {
+impl ExportView {
+    /// The job as its status resource shows it at `now`.
+    fn new(job: ExportJob, now: OffsetDateTime) -> Self {
         let done = job.state == ExportState::Succeeded;
+        let outlook = job.outlook(now);
         let status_url = format!("/v1/exports/{}", job.id);
         ExportView {
             manifest_url: done.then(|| format!("{status_url}/manifest")),
@@ -135,6 +145,8 @@ impl From<ExportJob> for ExportView {
                 bytes_done: job.bytes_done,
                 shards_total: done.then_some(job.shards_done),
                 rows_total: done.then_some(job.rows_done),
+                rows_total_estimate: outlook.rows_total_estimate,
+                eta_seconds: outlook.eta_seconds,
             },
             file: match (done, job.file_bytes, job.file_sha256) {
                 (true, Some(bytes), Some(sha256)) => Some(FileView { bytes, sha256 }),
@@ -197,6 +209,25 @@ async fn create_export(
     Ok((status, [(LOCATION, location)], axum::Json(body)).into_response())
 }
 
+/// What an export with this body would be if created now: rows, bytes, shards and duration,
+/// each with the method that estimated it. Validates and authorizes like a create; nothing is
+/// queued and no Idempotency-Key is needed.
+#[utoipa::path(post, path = "/v1/exports/estimate", tag = "exports", security(("bearer" = [])),
+    request_body = ExportRequest,
+    responses(
+        (status = 200, body = Estimate, description = "an estimate; nothing was created"),
+        (status = 400, description = "invalid body, no such dataset or bad cursor (`field` names it)"),
+        (status = 403, description = "dataset not granted")))]
+async fn estimate_export(
+    State(state): State<AppState>,
+    caller: Caller,
+    JsonBody(request): JsonBody<ExportRequest>,
+) -> ApiResult<axum::Json<Estimate>> {
+    let cluster = crate::feeds::system_identifier(&state.pool).await?;
+    let feed = FeedContext { keys: &state.links, cluster: &cluster, now: state.clock.now() };
+    Ok(axum::Json(exports::estimate::estimate(&state.pool, &caller, &request, &feed).await?))
+}
+
 fn idempotency_key(headers: &HeaderMap) -> ApiResult<IdempotencyKey> {
     let raw = headers.get("idempotency-key").ok_or_else(|| {
         ApiError::new(StatusCode::BAD_REQUEST, "idempotency-key-required", "send an Idempotency-Key header")
@@ -222,7 +253,7 @@ async fn get_export(
     let job = exports::get(&state.pool, &caller, export_id(&id)?).await?;
     let from = params.shard_links_from.unwrap_or(0);
     let links = (job.state == ExportState::Succeeded).then(|| sign_links(&state, &caller, &job, from));
-    let mut view = ExportView::from(job);
+    let mut view = ExportView::new(job, state.clock.now());
     if let Some((links, expire_at)) = links {
         view.links = Some(links);
         view.links_expire_at = Some(expire_at);
@@ -294,7 +325,7 @@ async fn list_exports(
     }
     let page = exports::list(&state.pool, &caller, wanted, params.cursor.as_deref(), limit).await?;
     Ok(axum::Json(ExportList {
-        exports: page.jobs.into_iter().map(Into::into).collect(),
+        exports: page.jobs.into_iter().map(|job| ExportView::new(job, state.clock.now())).collect(),
         next_cursor: page.next_cursor,
     }))
 }
@@ -312,7 +343,7 @@ async fn cancel_export(State(state): State<AppState>, caller: Caller, Path(id): 
         }
         Cancel::AlreadyCancelling(job) => (StatusCode::OK, job),
     };
-    Ok((status, axum::Json(ExportView::from(job))).into_response())
+    Ok((status, axum::Json(ExportView::new(job, state.clock.now()))).into_response())
 }
 
 /// Revokes a SUCCEEDED export (tenant admins): state REVOKED, files deleted, downloads 410.
@@ -336,7 +367,7 @@ async fn revoke_export(
         }
         Revoke::AlreadyRevoked(job) => job,
     };
-    Ok(axum::Json(job.into()))
+    Ok(axum::Json(ExportView::new(job, state.clock.now())))
 }
 
 fn event<'a>(caller: &'a Caller, action: &'a str, id: Uuid) -> AuditEvent<'a> {

@@ -110,6 +110,14 @@ pub async fn extend(
         .bind(shard.rows)
         .execute(&mut *tx)
         .await?;
+        sqlx::query(
+            "UPDATE export_jobs SET planned_rows = (SELECT coalesce(sum(rows), 0)::bigint FROM export_shard_plan
+                                                    WHERE export_id = $1)
+             WHERE id = $1",
+        )
+        .bind(lease.job_id)
+        .execute(&mut *tx)
+        .await?;
     }
     tx.commit().await?;
     Ok(Ok(()))

@@ -1,6 +1,7 @@
 //! The versioned record store: writes stamped with the writer's xid8, reads "as of" a snapshot.
 //! The write path itself lives in SQL (migrations) so host applications and the HTTP ingest share it.
 
+pub mod census;
 mod seed;
 mod snapshot;
 
