@@ -707,3 +707,49 @@ async fn an_incremental_estimate_counts_the_keys_changed_since_the_cursor(pool: 
     assert_eq!(bad.status(), 400);
     assert_eq!(problem(bad).await["field"], "since");
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_tenant_runs_one_estimate_at_a_time_and_the_next_is_refused_at_once(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 20).await;
+    let (acme, globex) = (app.token("acme", "alice"), app.token("globex", "hank"));
+    let body = json!({"dataset": "tickets", "format": "csv"});
+    // Hold the record store so estimates' censuses wait inside PostgreSQL.
+    let mut blocker = app.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE record_versions IN ACCESS EXCLUSIVE MODE").execute(&mut *blocker).await.unwrap();
+    let spawn_estimate = |token: &str| {
+        let (client, url, token, body) =
+            (app.client.clone(), app.url("/v1/exports/estimate"), token.to_owned(), body.clone());
+        tokio::spawn(async move { client.post(url).bearer_auth(token).json(&body).send().await.unwrap() })
+    };
+    let waiting_for_the_store = |n: i64| {
+        let pool = app.pool.clone();
+        async move {
+            for _ in 0..1000 {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_locks WHERE relation = 'record_versions'::regclass AND NOT granted",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                if waiting >= n {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            panic!("{n} estimates did not reach the lock");
+        }
+    };
+    let first = spawn_estimate(&acme);
+    waiting_for_the_store(1).await;
+    let second = estimate(&app, &acme, &body).await;
+    assert_eq!(second.status(), 429);
+    assert_eq!(second.headers()["retry-after"], "1");
+    assert_eq!(problem(second).await["code"], "estimate-in-progress");
+    let other_tenant = spawn_estimate(&globex);
+    waiting_for_the_store(2).await; // another tenant has a slot of its own
+    blocker.rollback().await.unwrap();
+    assert_eq!(other_tenant.await.unwrap().status(), 200);
+    assert_eq!(first.await.unwrap().status(), 200);
+    assert_eq!(estimate(&app, &acme, &body).await.status(), 200, "the slot came back");
+}

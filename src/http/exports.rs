@@ -217,12 +217,20 @@ async fn create_export(
     responses(
         (status = 200, body = Estimate, description = "an estimate; nothing was created"),
         (status = 400, description = "invalid body, no such dataset or bad cursor (`field` names it)"),
-        (status = 403, description = "dataset not granted")))]
+        (status = 403, description = "dataset not granted"),
+        (status = 429, description = "rate limited, or another of the tenant's estimates is running (`estimate-in-progress`)")))]
 async fn estimate_export(
     State(state): State<AppState>,
     caller: Caller,
     JsonBody(request): JsonBody<ExportRequest>,
 ) -> ApiResult<axum::Json<Estimate>> {
+    let Some(_slot) = state.limits.estimate_slot(&caller.tenant.id) else {
+        state.limits.refusals.count(&caller.tenant.id, RefusalKind::Concurrency);
+        return Err(ApiError::busy(
+            "estimate-in-progress",
+            "one of the tenant's estimates is running; retry when it is done",
+        ));
+    };
     let cluster = crate::feeds::system_identifier(&state.pool).await?;
     let feed = FeedContext { keys: &state.links, cluster: &cluster, now: state.clock.now() };
     Ok(axum::Json(exports::estimate::estimate(&state.pool, &caller, &request, &feed).await?))

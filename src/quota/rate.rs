@@ -33,6 +33,8 @@ pub struct RateLimits {
     pub refusals: Refusals,
     downloads: HashMap<TenantId, Arc<Semaphore>>,
     requests: HashMap<TenantId, Arc<Semaphore>>,
+    /// One estimate's census at a time per tenant.
+    estimates: HashMap<TenantId, Arc<Semaphore>>,
     clock: DefaultClock,
 }
 
@@ -49,6 +51,7 @@ impl RateLimits {
             .tenants()
             .map(|t| (t.id.clone(), Arc::new(Semaphore::new(t.quota.max_concurrent_requests as usize))))
             .collect();
+        let estimates = registry.tenants().map(|t| (t.id.clone(), Arc::new(Semaphore::new(1)))).collect();
         RateLimits {
             api,
             api_quotas,
@@ -56,6 +59,7 @@ impl RateLimits {
             refusals: Refusals::new(registry),
             downloads,
             requests,
+            estimates,
             clock: DefaultClock::default(),
         }
     }
@@ -99,6 +103,12 @@ impl RateLimits {
     /// are in progress already.
     pub fn request_slot(&self, tenant: &TenantId) -> Option<OwnedSemaphorePermit> {
         self.requests.get(tenant)?.clone().try_acquire_owned().ok()
+    }
+
+    /// The tenant's one slot for an estimate (each reads up to a few MiB of the record store),
+    /// so a tenant's estimates cost at most one census at a time; `None` while one runs.
+    pub fn estimate_slot(&self, tenant: &TenantId) -> Option<OwnedSemaphorePermit> {
+        self.estimates.get(tenant)?.clone().try_acquire_owned().ok()
     }
 
     /// Forgets idle keys (call periodically: the key maps would otherwise only grow).
