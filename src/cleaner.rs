@@ -98,6 +98,7 @@ async fn collect_history(
     }
     crate::feeds::gc::collect_ticks(pool, oldest).await?;
     crate::quota::refusals::collect(pool, now).await.context("collecting refusal counts")?;
+    crate::quota::history::collect(pool, now).await.context("collecting usage history")?;
     crate::webhooks::outbox::collect(pool, now, crate::webhooks::KEEP_EVENTS)
         .await
         .context("collecting webhook events")?;

@@ -482,3 +482,123 @@ async fn every_kind_of_refusal_is_counted_durably_and_shown_by_kind(pool: PgPool
             .unwrap();
     assert_eq!(totals, (refused, 0));
 }
+
+async fn history(app: &TestApp, token: &str, query: &str) -> reqwest::Response {
+    app.get(Some(token), &format!("/v1/usage/history?{query}")).await
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn the_usage_history_records_what_the_usage_api_shows(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 60).await;
+    let admin = app.token("acme", "alice");
+    let id = app.export(&admin, &json!({"dataset": "tickets", "format": "csv", "shard_rows": 25})).await;
+    app.drain().await;
+    let file = app.get(Some(&admin), &format!("/v1/exports/{id}/file")).await.bytes().await.unwrap();
+    app.export(&admin, &json!({"dataset": "tickets", "format": "jsonl"})).await; // stays queued
+    let acme = exportd::tenants::TenantId::parse("acme").unwrap();
+    exportd::quota::refusals::count_now(&app.pool, &acme, exportd::quota::RefusalKind::Storage).await.unwrap();
+    let usage: serde_json::Value = app.get(Some(&admin), "/v1/usage").await.json().await.unwrap();
+
+    // Recording twice (two processes, or one a minute later) changes nothing.
+    for _ in 0..2 {
+        // Another process may hold the lock for a moment (the test server's own housekeeping).
+        while !exportd::quota::history::record(&app.pool, &["acme", "globex"]).await.unwrap() {}
+    }
+    let today: serde_json::Value = history(&app, &admin, "granularity=day").await.json().await.unwrap();
+    assert_eq!(today["granularity"], "day");
+    assert_eq!(today["points"].as_array().unwrap().len(), 30, "the last 30 days by default");
+    let day = today["points"].as_array().unwrap().last().unwrap();
+    let u = &usage["usage"];
+    assert_eq!(day["rows_exported"], u["rows_exported_today"]);
+    assert_eq!(day["rows_exported"], 60);
+    assert_eq!(day["egress_bytes"], u["egress_bytes_today"]);
+    assert_eq!(day["egress_bytes"], file.len());
+    assert_eq!(day["exports_succeeded"], 1);
+    assert_eq!(day["refusals"], u["refusals_today"], "every kind, per kind");
+    assert_eq!(day["refusals"]["storage"], 1);
+    assert_eq!(day["stored_bytes_max"], u["stored_bytes"]);
+    assert_eq!(day["queued_max"], 1);
+    assert!(day["export_seconds_p95"].as_f64().unwrap() >= day["export_seconds_p50"].as_f64().unwrap());
+    assert_eq!(today["limits"]["storage_bytes"], usage["limits"]["storage_bytes"]);
+
+    let hours: serde_json::Value = history(&app, &admin, "granularity=hour").await.json().await.unwrap();
+    let points = hours["points"].as_array().unwrap();
+    assert_eq!(points.len(), 24);
+    let sum = |field: &str| points.iter().map(|p| p[field].as_i64().unwrap()).sum::<i64>();
+    assert_eq!(sum("rows_exported"), 60, "the hours add up to the day");
+    assert_eq!(sum("egress_bytes"), file.len() as i64);
+
+    let globex: serde_json::Value =
+        history(&app, &app.token("globex", "hank"), "granularity=day").await.json().await.unwrap();
+    let last = globex["points"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!((last["rows_exported"].clone(), last["egress_bytes"].clone()), (json!(0), json!(0)), "per tenant");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_month_of_history_reads_per_day_and_per_hour_with_every_bucket_present(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    // 30 days of generated hours for acme (hour 5 of each day missing), and noise for globex.
+    sqlx::query(
+        "INSERT INTO tenant_usage_hours (tenant, hour, egress_bytes, rows_exported, exports_succeeded, refusals,
+                                         stored_bytes_max, export_seconds_p95)
+         SELECT t, h, 1000 * d + hr, 10, 1, jsonb_build_object('rate', 2, 'queued', hr % 2), hr * 100, hr
+         FROM unnest(ARRAY['acme', 'globex']) t,
+              generate_series('2026-11-01T00:00:00Z'::timestamptz, '2026-11-30T23:00:00Z', interval '1 hour') h,
+              LATERAL (SELECT extract(day FROM h AT TIME ZONE 'UTC')::int AS d,
+                              extract(hour FROM h AT TIME ZONE 'UTC')::int AS hr) utc
+         WHERE t = 'globex' OR hr <> 5",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let admin = app.token("acme", "alice");
+    let month: serde_json::Value =
+        history(&app, &admin, "granularity=day&from=2026-11-01T00:00:00Z&to=2026-12-01T00:00:00Z")
+            .await
+            .json()
+            .await
+            .unwrap();
+    let days = month["points"].as_array().unwrap();
+    assert_eq!(days.len(), 30);
+    for (i, day) in days.iter().enumerate() {
+        let n = i as i64 + 1;
+        assert_eq!(day["start"], format!("2026-11-{n:02}T00:00:00Z"));
+        let hours: i64 = (0..24).filter(|&h| h != 5).sum();
+        assert_eq!(day["egress_bytes"], 23 * 1000 * n + hours, "day {n}");
+        assert_eq!(day["rows_exported"], 230);
+        assert_eq!(day["exports_succeeded"], 23);
+        assert_eq!(day["refusals"]["rate"], 46);
+        assert_eq!(day["refusals"]["queued"], 11, "the odd hours but 5");
+        assert_eq!(day["refusals"]["egress"], 0, "every kind present");
+        assert_eq!(day["stored_bytes_max"], 2300, "gauges: the day's highest");
+        assert_eq!(day["export_seconds_p95"], 23.0);
+    }
+    let one_day: serde_json::Value =
+        history(&app, &admin, "granularity=hour&from=2026-11-07T00:30:00Z&to=2026-11-07T23:10:00Z")
+            .await
+            .json()
+            .await
+            .unwrap();
+    let hours = one_day["points"].as_array().unwrap();
+    assert_eq!(one_day["from"], "2026-11-07T00:00:00Z", "rounded out to whole hours");
+    assert_eq!(one_day["to"], "2026-11-08T00:00:00Z");
+    assert_eq!(hours.len(), 24);
+    assert_eq!(hours[4]["egress_bytes"], 7004);
+    assert_eq!(hours[5]["egress_bytes"], 0, "an hour without a row is present, as zeros");
+    assert_eq!(hours[5]["export_seconds_p95"], serde_json::Value::Null);
+
+    for (query, field) in [
+        ("granularity=week", "granularity"),
+        ("from=yesterday", "from"),
+        ("to=2026-13-01T00:00:00Z", "to"),
+        ("from=2026-11-02T00:00:00Z&to=2026-11-01T00:00:00Z", "from"),
+        ("granularity=hour&from=2026-10-01T00:00:00Z&to=2026-11-15T00:00:00Z", "from"),
+    ] {
+        let refused = history(&app, &admin, query).await;
+        assert_eq!(refused.status(), 400, "{query}");
+        assert_eq!(problem(refused).await["field"], field, "{query}");
+    }
+    let partner = history(&app, &app.token("acme", "zenpartner"), "").await;
+    assert_eq!(partner.status(), 403);
+}

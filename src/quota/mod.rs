@@ -2,6 +2,7 @@
 //! report.
 
 mod egress;
+pub mod history;
 mod rate;
 pub mod refusals;
 mod scan;

@@ -105,6 +105,11 @@ impl RateLimits {
         self.requests.get(tenant)?.clone().try_acquire_owned().ok()
     }
 
+    /// The tenants these limits are for.
+    pub fn tenants(&self) -> Vec<&str> {
+        self.requests.keys().map(TenantId::as_str).collect()
+    }
+
     /// The tenant's one slot for an estimate (each reads up to a few MiB of the record store),
     /// so a tenant's estimates cost at most one census at a time; `None` while one runs.
     pub fn estimate_slot(&self, tenant: &TenantId) -> Option<OwnedSemaphorePermit> {
@@ -152,6 +157,13 @@ pub async fn run_housekeeping(
         }
         if let Err(e) = limits.refusals.flush(&pool).await {
             tracing::warn!(error = %e, "could not flush refusal counts; keeping them for the next try");
+        }
+        // The usage history a minute at a time, from the first second on.
+        if ticks.is_multiple_of(60) {
+            let tenants = limits.tenants();
+            if let Err(e) = super::history::record(&pool, &tenants).await {
+                tracing::warn!(error = %e, "could not record the usage history; trying again in a minute");
+            }
         }
         ticks += 1;
         if ticks.is_multiple_of(60) {

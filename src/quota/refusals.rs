@@ -116,7 +116,7 @@ pub async fn count_now(pool: &PgPool, tenant: &TenantId, kind: RefusalKind) -> s
     add(pool, &[(tenant, kind, 1)]).await
 }
 
-/// Adds counts to today's row per tenant and kind (UTC days) and to the tenants' totals.
+/// Adds counts to today's and this hour's rows per tenant and kind (UTC) and to the tenants' totals.
 async fn add(pool: &PgPool, counts: &[(&TenantId, RefusalKind, u64)]) -> sqlx::Result<()> {
     let tenants: Vec<&str> = counts.iter().map(|(t, _, _)| t.as_str()).collect();
     let kinds: Vec<&str> = counts.iter().map(|(_, k, _)| k.as_str()).collect();
@@ -126,7 +126,11 @@ async fn add(pool: &PgPool, counts: &[(&TenantId, RefusalKind, u64)]) -> sqlx::R
          daily AS (
              INSERT INTO tenant_refusals (tenant, day, kind, count)
              SELECT tenant, (now() AT TIME ZONE 'UTC')::date, kind, n FROM counts ORDER BY at
-             ON CONFLICT ON CONSTRAINT tenant_refusals_pkey DO UPDATE SET count = tenant_refusals.count + EXCLUDED.count)
+             ON CONFLICT ON CONSTRAINT tenant_refusals_pkey DO UPDATE SET count = tenant_refusals.count + EXCLUDED.count),
+         hourly AS (
+             INSERT INTO tenant_refusal_hours (tenant, hour, kind, count)
+             SELECT tenant, date_trunc('hour', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC', kind, n FROM counts ORDER BY at
+             ON CONFLICT ON CONSTRAINT tenant_refusal_hours_pkey DO UPDATE SET count = tenant_refusal_hours.count + EXCLUDED.count)
          INSERT INTO tenant_usage (tenant, rate_limited, quota_rejections)
          SELECT tenant, coalesce(sum(n) FILTER (WHERE kind = 'rate'), 0), coalesce(sum(n) FILTER (WHERE kind <> 'rate'), 0)
          FROM counts GROUP BY tenant ORDER BY tenant
@@ -159,8 +163,14 @@ pub async fn of_day(pool: &PgPool, tenant: &TenantId, day: time::Date) -> sqlx::
 /// Days of refusal counts kept (the history charts need 30).
 const KEPT_DAYS: i64 = 400;
 
-/// Deletes refusal counts of days older than [`KEPT_DAYS`] before `now` (the cleaner's pass).
+/// Deletes refusal counts of days older than [`KEPT_DAYS`] before `now`, and hourly ones older
+/// than the usage history (the cleaner's pass).
 pub async fn collect(pool: &PgPool, now: time::OffsetDateTime) -> sqlx::Result<u64> {
     let oldest = (now - time::Duration::days(KEPT_DAYS)).date();
-    Ok(sqlx::query("DELETE FROM tenant_refusals WHERE day < $1").bind(oldest).execute(pool).await?.rows_affected())
+    let hours = sqlx::query("DELETE FROM tenant_refusal_hours WHERE hour < $1")
+        .bind(now - time::Duration::days(super::history::KEPT_DAYS))
+        .execute(pool)
+        .await?;
+    let days = sqlx::query("DELETE FROM tenant_refusals WHERE day < $1").bind(oldest).execute(pool).await?;
+    Ok(days.rows_affected() + hours.rows_affected())
 }
