@@ -88,3 +88,16 @@ pub async fn page(
     };
     Ok((entries, next))
 }
+
+/// The latest `limit` events of one of the tenant's exports, newest first.
+pub async fn of_export(pool: &PgPool, tenant: &str, export_id: Uuid, limit: u32) -> sqlx::Result<Vec<AuditEntry>> {
+    sqlx::query_as(
+        "SELECT id, at, principal, action, export_id, object, byte_range, status, address FROM audit_log
+         WHERE export_id = $2 AND tenant = $1 ORDER BY id DESC LIMIT $3",
+    )
+    .bind(tenant)
+    .bind(export_id)
+    .bind(i64::from(limit))
+    .fetch_all(pool)
+    .await
+}

@@ -1,10 +1,12 @@
-//! The dashboard in a real browser (headless Chromium): the page shows what the usage API says.
+//! The dashboard in a real browser (headless Chromium): the pages show what the usage APIs say,
+//! and axe-core finds nothing serious in them.
 
 mod common;
 
 use std::path::{Path, PathBuf};
 
 use common::TestApp;
+use scraper::{Html, Selector};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use tokio::process::Command;
@@ -13,38 +15,101 @@ fn chromium() -> String {
     std::env::var("EXPORTD_CHROMIUM").unwrap_or_else(|_| "chromium".to_owned())
 }
 
-/// A local page that signs in with `token` by posting the dashboard's form, as a person would.
 /// A one-minute sign-in link for the admin of `token`, as an API client would ask for it.
 async fn sign_in_url(app: &TestApp, token: &str) -> String {
     let ticket: Value = app.post(token, "/v1/dashboard/tickets").await.json().await.unwrap();
     app.url(ticket["url"].as_str().unwrap())
 }
 
-async fn browse(dir: &Path, url: &str, output: &[&str]) -> String {
-    let profile = dir.join(format!("profile-{}", uuid::Uuid::new_v4()));
-    let result = Command::new(chromium())
-        .args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"])
-        .args(["--disable-background-networking", "--disable-component-update", "--disable-sync"])
-        .args(["--virtual-time-budget=5000", "--window-size=1200,900"])
-        .arg(format!("--user-data-dir={}", profile.display()))
-        .args(output)
-        .arg(url)
-        .output()
-        .await
-        .unwrap_or_else(|e| panic!("cannot run {} (scripts/test installs Debian's chromium): {e}", chromium()));
-    assert!(result.status.success(), "{}", String::from_utf8_lossy(&result.stderr));
-    String::from_utf8(result.stdout).unwrap()
+/// One page as the browser saw it (tests/browser/pages.cjs).
+struct Seen {
+    status: u16,
+    dom: Html,
+    /// axe-core's violations: `{id, impact, help, nodes}`.
+    violations: Vec<Value>,
+    screenshot: PathBuf,
 }
 
-/// The text of the element carrying `attribute="name"` in the dumped DOM.
-fn shown(dom: &str, attribute: &str, name: &str) -> String {
-    let marker = format!("{attribute}=\"{name}\">");
-    let start = dom.find(&marker).unwrap_or_else(|| panic!("{marker} not on the page")) + marker.len();
-    dom[start..start + dom[start..].find('<').unwrap()].to_owned()
+/// Signs a headless Chromium in through `sign_in`, then visits `paths` with its session: each
+/// page's DOM, a screenshot (kept under target/) and an axe-core check.
+async fn visit(sign_in: &str, paths: &[&str]) -> Vec<Seen> {
+    let tools = std::env::var("EXPORTD_BROWSER_TOOLS")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/data/tools/browser").to_owned());
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard");
+    std::fs::create_dir_all(&out).unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/browser/pages.cjs");
+    let result = Command::new("node")
+        .arg(script)
+        .arg(sign_in)
+        .arg(&out)
+        .args(paths)
+        .env("EXPORTD_BROWSER_TOOLS", &tools)
+        .env("EXPORTD_CHROMIUM_PATH", which_chromium())
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("cannot run node (scripts/test installs it and the browser tools): {e}"));
+    assert!(result.status.success(), "{}", String::from_utf8_lossy(&result.stderr));
+    let pages: Vec<Value> = serde_json::from_slice(&result.stdout).unwrap();
+    pages
+        .into_iter()
+        .map(|p| Seen {
+            status: p["status"].as_u64().unwrap() as u16,
+            dom: Html::parse_document(p["dom"].as_str().unwrap()),
+            violations: p["violations"].as_array().unwrap().clone(),
+            screenshot: out.join(p["screenshot"].as_str().unwrap()),
+        })
+        .collect()
+}
+
+fn which_chromium() -> String {
+    let name = chromium();
+    if name.contains('/') {
+        return name;
+    }
+    std::env::var("PATH")
+        .unwrap_or_default()
+        .split(':')
+        .map(|dir| format!("{dir}/{name}"))
+        .find(|candidate| Path::new(candidate).exists())
+        .unwrap_or(name)
+}
+
+fn select<'a>(dom: &'a Html, css: &str) -> Vec<scraper::ElementRef<'a>> {
+    dom.select(&Selector::parse(css).unwrap()).collect()
+}
+
+/// The one element matching `css`.
+fn one<'a>(dom: &'a Html, css: &str) -> scraper::ElementRef<'a> {
+    let found = select(dom, css);
+    assert_eq!(found.len(), 1, "{css}: {} elements", found.len());
+    found[0]
+}
+
+fn text(element: scraper::ElementRef<'_>) -> String {
+    element.text().collect::<String>().trim().to_owned()
+}
+
+fn attr(element: scraper::ElementRef<'_>, name: &str) -> String {
+    element.value().attr(name).unwrap_or_else(|| panic!("no {name} on {}", element.html())).to_owned()
+}
+
+/// The bars of one series of one chart: (day label, value).
+fn bars(dom: &Html, chart: &str, series: &str) -> Vec<(String, f64)> {
+    select(dom, &format!("figure[data-chart={chart}] rect[data-series={series}]"))
+        .into_iter()
+        .map(|bar| (attr(bar, "data-label"), attr(bar, "data-value").parse().unwrap()))
+        .collect()
+}
+
+/// No axe-core violation a person would be blocked or seriously hindered by.
+fn accessible(page: &Seen) {
+    let serious: Vec<&Value> =
+        page.violations.iter().filter(|v| matches!(v["impact"].as_str(), Some("serious" | "critical"))).collect();
+    assert!(serious.is_empty(), "axe-core: {serious:#?}");
 }
 
 #[sqlx::test(migrations = "./migrations")]
-async fn the_dashboard_shows_the_numbers_of_the_usage_api(pool: PgPool) {
+async fn the_dashboard_shows_the_usage_api_its_history_partners_and_an_export(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
     app.seed("acme", "tickets", 50).await;
     let admin = app.token("acme", "alice");
@@ -52,31 +117,111 @@ async fn the_dashboard_shows_the_numbers_of_the_usage_api(pool: PgPool) {
     app.drain().await;
     app.get(Some(&admin), &format!("/v1/exports/{done}/file")).await.bytes().await.unwrap();
     let queued = app.export(&admin, &json!({"dataset": "tickets", "format": "csv"})).await; // stays queued
+    // 29 earlier days of history (generated), today's recorded from what just happened.
+    sqlx::query(
+        "INSERT INTO tenant_usage_hours (tenant, hour, egress_bytes, rows_exported, exports_succeeded, exports_failed,
+                                         export_seconds_p50, export_seconds_p95, refusals, stored_bytes_max)
+         SELECT 'acme', date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' - d * interval '1 day' + interval '3 hours',
+                d * 1048576, d * 1000, d % 3, d % 2, d, 2 * d, jsonb_build_object('rate', d, 'queued', d % 4), d * 4194304
+         FROM generate_series(1, 29) d",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    while !exportd::quota::history::record(&app.pool, &["acme"]).await.unwrap() {}
+    // zenpartner last read the feed three days ago (over acme's lagging threshold); nobody else pulled.
+    sqlx::query(
+        "INSERT INTO feed_positions (tenant, principal, dataset, position_at, last_read_at)
+         VALUES ('acme', 'zenpartner', 'tickets', now() - interval '3 days', now() - interval '3 days')",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
     let usage: Value = app.get(Some(&admin), "/v1/usage").await.json().await.unwrap();
+    let history: Value = app.get(Some(&admin), "/v1/usage/history").await.json().await.unwrap();
 
-    let dir = tempfile::tempdir().unwrap();
     let url = sign_in_url(&app, &admin).await;
-    let dom = browse(dir.path(), &url, &["--dump-dom"]).await;
-    for key in ["running_exports", "queued_exports", "stored_bytes", "egress_bytes_today", "rows_exported_today"] {
-        assert_eq!(shown(&dom, "data-metric", key), usage["usage"][key].to_string(), "{key}");
-    }
-    assert_eq!(shown(&dom, "data-limit", "queued_exports"), usage["limits"]["max_queued_exports"].to_string());
-    for (kind, n) in usage["usage"]["refusals_today"].as_object().unwrap() {
-        assert_eq!(shown(&dom, "data-refusals", kind), n.to_string(), "{kind}");
-    }
-    assert_eq!(usage["usage"]["refusals_today"].as_object().unwrap().len(), 6, "every kind, also when 0");
-    assert_eq!(shown(&dom, "data-state", "SUCCEEDED"), "1");
-    assert_eq!(shown(&dom, "data-state", "QUEUED"), "1");
-    assert!(dom.contains(&done), "recent exports are listed");
-    assert_eq!(shown(&dom, "data-expected-rows", &queued), "50", "the estimate taken at creation");
-    assert_eq!(shown(&dom, "data-expected-rows", &done), "50");
-    assert_eq!(shown(&dom, "data-eta", &queued), "–", "no ETA before it runs");
+    let export_page = format!("/dashboard/exports/{done}");
+    let pages = visit(&url, &[&export_page, "/dashboard/exports/00000000-0000-4000-8000-000000000000"]).await;
+    let (overview, export, missing) = (&pages[0], &pages[1], &pages[2]);
 
-    let screenshot: PathBuf = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
-    let _ = std::fs::remove_file(&screenshot);
-    browse(dir.path(), &url, &[&format!("--screenshot={}", screenshot.display())]).await;
-    let png = std::fs::read(&screenshot).expect("a screenshot");
-    assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "saved to {}", screenshot.display());
+    // The numbers are the usage API's, shown in readable units.
+    let dom = &overview.dom;
+    for key in ["running_exports", "queued_exports", "stored_bytes", "egress_bytes_today", "rows_exported_today"] {
+        assert_eq!(
+            attr(one(dom, &format!("data[data-metric={key}]")), "value"),
+            usage["usage"][key].to_string(),
+            "{key}"
+        );
+    }
+    let stored = one(dom, "data[data-metric=stored_bytes]");
+    assert!(text(stored).ends_with(" KiB"), "readable: {}", text(stored));
+    assert_eq!(text(one(dom, "data[data-limit=stored_bytes]")), "5 GiB");
+    assert_eq!(
+        attr(one(dom, "data[data-limit=queued_exports]"), "value"),
+        usage["limits"]["max_queued_exports"].to_string()
+    );
+    for (kind, n) in usage["usage"]["refusals_today"].as_object().unwrap() {
+        assert_eq!(text(one(dom, &format!("td[data-refusals={kind}]"))), n.to_string(), "{kind}");
+    }
+    assert_eq!(text(one(dom, "td[data-state=SUCCEEDED]")), "1");
+    assert_eq!(text(one(dom, "td[data-state=QUEUED]")), "1");
+    assert_eq!(text(one(dom, &format!("td[data-expected-rows='{queued}']"))), "50", "the estimate taken at creation");
+    assert_eq!(text(one(dom, &format!("td[data-eta='{queued}']"))), "–", "no ETA before it runs");
+    assert!(select(dom, "[data-warning]").is_empty(), "no quota near its limit");
+
+    // Charts: the history API's numbers, bar for bar, 30 days.
+    let points = history["points"].as_array().unwrap();
+    assert_eq!(points.len(), 30);
+    for (chart, series) in [
+        ("egress", "egress_bytes"),
+        ("storage", "stored_bytes_max"),
+        ("rows", "rows_exported"),
+        ("exports", "exports_succeeded"),
+        ("exports", "exports_failed"),
+        ("durations", "export_seconds_p95"),
+    ] {
+        let drawn = bars(dom, chart, series);
+        assert_eq!(drawn.len(), 30, "{chart}/{series}");
+        for (point, (_, value)) in points.iter().zip(&drawn) {
+            assert_eq!(point[series].as_f64().unwrap_or(0.0), *value, "{chart}/{series} on {}", point["start"]);
+        }
+    }
+    for kind in ["rate", "queued", "storage"] {
+        let drawn: Vec<f64> = bars(dom, "refusals", kind).into_iter().map(|(_, v)| v).collect();
+        let api: Vec<f64> = points.iter().map(|p| p["refusals"][kind].as_f64().unwrap()).collect();
+        assert_eq!(drawn, api, "refusals/{kind}");
+    }
+    assert!(bars(dom, "egress", "egress_bytes").iter().any(|(_, v)| *v == 29.0 * 1048576.0), "generated history shows");
+    let limit = one(dom, "figure[data-chart=egress] line[data-limit]");
+    assert_eq!(attr(limit, "data-limit"), usage["limits"]["egress_bytes_per_day"].to_string());
+    let tooltip = text(one(dom, "figure[data-chart=storage] rect[data-series=stored_bytes_max]:first-of-type title"));
+    assert!(tooltip.contains("MiB"), "tooltips in readable units: {tooltip}");
+    assert!(!select(dom, "figure[data-chart=egress] details table td").is_empty(), "the numbers as a table");
+
+    // Partners: the lagging one is flagged, the others not.
+    let lagging = one(dom, "[data-feed='zenpartner/tickets']");
+    assert!(text(lagging).contains("lagging") && text(lagging).contains("3 days ago"), "{}", text(lagging));
+    assert!(select(dom, "[data-feed='mallory/tickets'] [data-lagging]").is_empty());
+    assert_eq!(text(one(dom, "td[data-partner-exports=zenpartner]")), "0");
+
+    // The export's own page: state, progress, shards, who downloaded it.
+    assert_eq!(export.status, 200);
+    let dom = &export.dom;
+    assert_eq!(text(one(dom, "[data-field=state]")), "SUCCEEDED");
+    assert_eq!(text(one(dom, "[data-field=expected-rows]")), "50");
+    let shard_rows: Vec<String> = select(dom, "tr[data-shard] td:nth-child(2)").into_iter().map(text).collect();
+    assert_eq!(shard_rows, ["20", "20", "10"]);
+    let downloads = select(dom, "tr[data-event=downloaded]");
+    assert_eq!(downloads.len(), 1);
+    assert!(text(downloads[0]).contains("alice"));
+    assert_eq!(missing.status, 404, "an unknown export has no page");
+
+    for page in [overview, export] {
+        accessible(page);
+        let png = std::fs::read(&page.screenshot).expect("a screenshot");
+        assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "saved to {}", page.screenshot.display());
+    }
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -85,7 +230,7 @@ async fn the_dashboard_asks_for_an_admin_token(pool: PgPool) {
     let page = app.get(None, "/dashboard").await;
     assert_eq!(page.status(), 200);
     assert!(page.headers()["content-security-policy"].to_str().unwrap().contains("default-src 'none'"));
-    assert!(page.text().await.unwrap().contains("<form method=post action=/dashboard/signin>"));
+    assert!(page.text().await.unwrap().contains(r#"<form method="post" action="/dashboard/signin">"#));
     let origin = app.url("");
     let sign_in = |client: &reqwest::Client, token: String, origin: &str| {
         client.post(app.url("/dashboard/signin")).header("origin", origin).form(&[("token", token)]).send()

@@ -3,6 +3,7 @@
 
 mod egress;
 pub mod history;
+pub mod partners;
 mod rate;
 pub mod refusals;
 mod scan;

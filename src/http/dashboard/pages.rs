@@ -1,0 +1,415 @@
+//! The dashboard's pages as maud templates (compile-time checked, every interpolation escaped).
+
+use maud::{DOCTYPE, Markup, PreEscaped, html};
+use time::OffsetDateTime;
+
+use super::charts::{BarChart, Series};
+use super::units::{self, bytes, duration, relative};
+use crate::audit::AuditEntry;
+use crate::exports::{ExportJob, ShardRecord};
+use crate::quota::history::Point;
+use crate::quota::partners::PartnerActivity;
+use crate::quota::{RefusalKind, Usage};
+use crate::tenants::Tenant;
+
+const STYLE: &str = "body{font:14px/1.45 system-ui,sans-serif;margin:2em;color:#1f2328;max-width:1100px}\
+    h1{font-size:22px}h2{font-size:17px;margin-top:1.8em}a{color:#0550ae}\
+    table{border-collapse:collapse;margin:.4em 0}td,th{padding:4px 10px;border-bottom:1px solid #d0d7de;text-align:left}\
+    meter{width:260px;height:14px;vertical-align:middle;margin-right:8px}\
+    .alert{padding:8px 12px;border-radius:4px;margin:.4em 0}.alert.warn{background:#fff8c5;border:1px solid #9a6700}\
+    .alert.full{background:#ffebe9;border:1px solid #cf222e}\
+    .level-warn{color:#7d4e00;font-weight:600}.level-full{color:#a40e26;font-weight:600}\
+    .lagging{color:#a40e26;font-weight:600}figure{margin:1em 0}figcaption{font-weight:600}\
+    .charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(660px,1fr));gap:0 24px}\
+    .legend{margin:.2em 0;font-size:12px}.swatch{display:inline-block;width:10px;height:10px;margin:0 4px 0 10px}\
+    details{font-size:12px}code{font-size:12px}dt{font-weight:600}dd{margin:0 0 .4em 0}";
+
+/// A whole page. It does not reload itself (an automatic refresh takes the page away from
+/// someone still reading it, WCAG 2.2.1); each page links to itself instead.
+pub fn layout(title: &str, body: Markup) -> Markup {
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                title { (title) " · exportd dashboard" }
+                style { (PreEscaped(STYLE)) }
+            }
+            body { main { (body) } }
+        }
+    }
+}
+
+pub fn sign_in(error: Option<&str>) -> Markup {
+    layout(
+        "Sign in",
+        html! {
+            h1 { "exportd dashboard" }
+            @if let Some(error) = error { p.alert.full role="alert" { (error) } }
+            form method="post" action="/dashboard/signin" {
+                label for="token" { "Tenant admin bearer token " }
+                input id="token" name="token" type="password" size="60" autocomplete="off";
+                " "
+                button { "Sign in" }
+            }
+        },
+    )
+}
+
+pub fn message(title: &str, text: &str) -> Markup {
+    layout(title, html! { h1 { (title) } p { (text) } p { a href="/dashboard" { "Back to the dashboard" } } })
+}
+
+/// What the overview shows.
+pub struct Overview<'a> {
+    pub tenant: &'a Tenant,
+    pub usage: &'a Usage,
+    pub history: &'a [Point],
+    pub partners: &'a [PartnerActivity],
+    pub recent: &'a [ExportJob],
+    pub now: OffsetDateTime,
+}
+
+/// One quota row: label, `data-metric` key, used, limit, how to show the numbers.
+struct Gauge {
+    label: &'static str,
+    key: &'static str,
+    used: i64,
+    limit: u64,
+    format: fn(i64) -> String,
+}
+
+impl Overview<'_> {
+    fn gauges(&self) -> [Gauge; 4] {
+        let (u, l) = (&self.usage.usage, &self.usage.limits);
+        let count = |n: i64| n.to_string();
+        [
+            Gauge {
+                label: "Running exports",
+                key: "running_exports",
+                used: u.running_exports,
+                limit: u64::from(l.max_running_exports),
+                format: count,
+            },
+            Gauge {
+                label: "Queued exports",
+                key: "queued_exports",
+                used: u.queued_exports,
+                limit: u64::from(l.max_queued_exports),
+                format: count,
+            },
+            Gauge {
+                label: "Stored bytes",
+                key: "stored_bytes",
+                used: u.stored_bytes,
+                limit: l.storage_bytes,
+                format: bytes,
+            },
+            Gauge {
+                label: "Egress today",
+                key: "egress_bytes_today",
+                used: u.egress_bytes_today,
+                limit: l.egress_bytes_per_day,
+                format: bytes,
+            },
+        ]
+    }
+
+    pub fn render(&self) -> Markup {
+        let gauges = self.gauges();
+        let u = &self.usage.usage;
+        html! {
+            h1 { (self.tenant.name) " " small { "(" (self.tenant.id.as_str()) ")" } }
+            @for g in &gauges {
+                @let percent = units::percent(g.used as f64, g.limit as f64);
+                @if percent >= 80.0 {
+                    p class=(format!("alert {}", units::level(percent))) role=(if percent >= 100.0 { "alert" } else { "status" }) data-warning=(g.key) {
+                        (g.label) " at " (format!("{percent:.0}")) " % of the limit: "
+                        ((g.format)(g.used)) " of " ((g.format)(g.limit as i64)) "."
+                    }
+                }
+            }
+            h2 { "Usage against limits" }
+            table {
+                thead { tr { th scope="col" { "Quota" } th scope="col" { "Used" } th scope="col" { "Limit" } th scope="col" { "Share" } } }
+                tbody {
+                    @for g in &gauges {
+                        @let percent = units::percent(g.used as f64, g.limit as f64);
+                        tr {
+                            th scope="row" { (g.label) }
+                            td { data value=(g.used) data-metric=(g.key) { ((g.format)(g.used)) } }
+                            td { data value=(g.limit) data-limit=(g.key) { ((g.format)(g.limit as i64)) } }
+                            td {
+                                meter min="0" max="100" value=(format!("{:.1}", percent.min(100.0))) aria-label=(format!("{} share of the limit", g.label)) {}
+                                span class=(format!("level-{}", units::level(percent))) { (format!("{percent:.1}")) " %" }
+                            }
+                        }
+                    }
+                    tr { th scope="row" { "Rows exported today" } td { data value=(u.rows_exported_today) data-metric="rows_exported_today" { (u.rows_exported_today) } } td {} td {} }
+                    tr { th scope="row" { "Rate-limited requests (all time)" } td { data value=(u.rate_limited_requests) data-metric="rate_limited_requests" { (u.rate_limited_requests) } } td {} td {} }
+                    tr { th scope="row" { "Other refusals (all time)" } td { data value=(u.quota_rejections) data-metric="quota_rejections" { (u.quota_rejections) } } td {} td {} }
+                }
+            }
+            h2 { "Refusals today" }
+            table {
+                thead { tr { @for kind in u.refusals_today.keys() { th scope="col" { (kind) } } } }
+                tbody { tr { @for (kind, n) in &u.refusals_today { td data-refusals=(kind) { (n) } } } }
+            }
+            h2 { "Queue" }
+            p {
+                "Oldest queued: " (age(self.usage.queue.oldest_queued_age_seconds, "oldest_queued_age_seconds"))
+                " · oldest running: " (age(self.usage.queue.oldest_running_age_seconds, "oldest_running_age_seconds"))
+            }
+            table {
+                thead { tr { @for state in self.usage.queue.states.keys() { th scope="col" { (state) } } } }
+                tbody { tr { @for (state, n) in &self.usage.queue.states { td data-state=(state) { (n) } } } }
+            }
+            h2 { "Last 30 days" }
+            div.charts { (self.charts()) }
+            h2 { "Partners" }
+            (self.partners_table())
+            h2 { "Recent exports" }
+            (self.recent_table())
+            p { small { "As of " (relative(self.now, self.now)) " — " a href="/dashboard" { "reload" } " for newer numbers. Times are UTC; hover a relative time for the exact one." } }
+        }
+    }
+
+    fn charts(&self) -> Markup {
+        let labels: Vec<String> = self.history.iter().map(|p| day_label(p.start)).collect();
+        let series =
+            |name, key, f: fn(&Point) -> f64| Series { name, key, values: self.history.iter().map(f).collect() };
+        let limits = &self.usage.limits;
+        let bytes_f = |v: f64| bytes(v as i64);
+        let count_f = |v: f64| format!("{v:.0}");
+        let charts = [
+            BarChart {
+                id: "egress",
+                title: "Egress per day, against the daily limit",
+                labels: &labels,
+                series: vec![series("egress", "egress_bytes", |p| p.egress_bytes as f64)],
+                stacked: true,
+                limit: Some(limits.egress_bytes_per_day as f64),
+                format: bytes_f,
+            },
+            BarChart {
+                id: "storage",
+                title: "Stored bytes (highest of the day), against the storage limit",
+                labels: &labels,
+                series: vec![series("stored", "stored_bytes_max", |p| p.stored_bytes_max as f64)],
+                stacked: true,
+                limit: Some(limits.storage_bytes as f64),
+                format: bytes_f,
+            },
+            BarChart {
+                id: "exports",
+                title: "Exports finished per day, by outcome",
+                labels: &labels,
+                series: vec![
+                    series("succeeded", "exports_succeeded", |p| p.exports_succeeded as f64),
+                    series("failed", "exports_failed", |p| p.exports_failed as f64),
+                    series("cancelled", "exports_cancelled", |p| p.exports_cancelled as f64),
+                ],
+                stacked: true,
+                limit: None,
+                format: count_f,
+            },
+            BarChart {
+                id: "rows",
+                title: "Rows exported per day",
+                labels: &labels,
+                series: vec![series("rows", "rows_exported", |p| p.rows_exported as f64)],
+                stacked: true,
+                limit: None,
+                format: count_f,
+            },
+            BarChart {
+                id: "refusals",
+                title: "Refusals per day, by kind",
+                labels: &labels,
+                series: RefusalKind::ALL
+                    .iter()
+                    .map(|kind| Series {
+                        name: kind.as_str(),
+                        key: kind.as_str(),
+                        values: self
+                            .history
+                            .iter()
+                            .map(|p| p.refusals.get(kind.as_str()).copied().unwrap_or(0) as f64)
+                            .collect(),
+                    })
+                    .collect(),
+                stacked: true,
+                limit: None,
+                format: count_f,
+            },
+            BarChart {
+                id: "durations",
+                title: "Export durations, create to publish (the day's highest hourly percentile)",
+                labels: &labels,
+                series: vec![
+                    series("p50", "export_seconds_p50", |p| p.export_seconds_p50.unwrap_or(0.0)),
+                    series("p95", "export_seconds_p95", |p| p.export_seconds_p95.unwrap_or(0.0)),
+                ],
+                stacked: false,
+                limit: None,
+                format: duration,
+            },
+            BarChart {
+                id: "queue",
+                title: "Oldest queued export (highest of the day)",
+                labels: &labels,
+                series: vec![series("queue age", "oldest_queued_seconds_max", |p| p.oldest_queued_seconds_max as f64)],
+                stacked: true,
+                limit: None,
+                format: duration,
+            },
+        ];
+        html! { @for chart in &charts { (chart.render()) } }
+    }
+
+    fn partners_table(&self) -> Markup {
+        html! {
+            @if self.partners.is_empty() {
+                p { "This tenant has no partner principals." }
+            } @else {
+                table {
+                    thead { tr {
+                        th scope="col" { "Partner" } th scope="col" { "Exports (30 days)" } th scope="col" { "Egress (30 days)" }
+                        th scope="col" { "Last download" } th scope="col" { "Feeds: dataset, position, last pull" }
+                    } }
+                    tbody {
+                        @for partner in self.partners {
+                            tr data-partner=(partner.principal) {
+                                th scope="row" { (partner.principal) @if partner.disabled { " (disabled)" } }
+                                td data-partner-exports=(partner.principal) { (partner.exports) }
+                                td { data value=(partner.egress_bytes) data-partner-egress=(partner.principal) { (bytes(partner.egress_bytes)) } }
+                                td { @match partner.last_download_at { Some(at) => (relative(at, self.now)), None => "never" } }
+                                td {
+                                    @for feed in &partner.feeds {
+                                        div data-feed=(format!("{}/{}", partner.principal, feed.dataset)) {
+                                            code { (feed.dataset) } ": "
+                                            @match feed.position_at {
+                                                Some(at) => { "position " (relative(at, self.now)) }
+                                                None => "never pulled",
+                                            }
+                                            @if let Some(at) = feed.last_read_at { ", last pull " (relative(at, self.now)) }
+                                            @if feed.lagging { " " span.lagging data-lagging="true" { "lagging" } }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn recent_table(&self) -> Markup {
+        html! {
+            table {
+                thead { tr {
+                    th scope="col" { "Export" } th scope="col" { "Dataset" } th scope="col" { "By" } th scope="col" { "State" }
+                    th scope="col" { "Rows done" } th scope="col" { "Expected rows" } th scope="col" { "ETA" } th scope="col" { "Created" }
+                } }
+                tbody {
+                    @for job in self.recent {
+                        @let outlook = job.outlook(self.now);
+                        tr {
+                            td { a href=(format!("/dashboard/exports/{}", job.id)) { code { (job.id) } } }
+                            td { (job.dataset) } td { (job.principal) } td { (job.state.as_str()) }
+                            td { (job.rows_done) }
+                            td data-expected-rows=(job.id) { @match outlook.rows_total_estimate { Some(n) => (n), None => "–" } }
+                            td data-eta=(job.id) { @match outlook.eta_seconds { Some(s) => (duration(s as f64)), None => "–" } }
+                            td { (relative(job.created_at, self.now)) }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn age(seconds: Option<i64>, key: &str) -> Markup {
+    html! {
+        @match seconds {
+            Some(s) => data value=(s) data-metric=(key) { (duration(s as f64)) },
+            None => data value="" data-metric=(key) { "–" },
+        }
+    }
+}
+
+fn day_label(at: OffsetDateTime) -> String {
+    format!("{} {}", &at.month().to_string()[..3], at.day())
+}
+
+/// What one export's page shows.
+pub struct ExportPage<'a> {
+    pub job: &'a ExportJob,
+    pub shards: &'a [ShardRecord],
+    pub events: &'a [AuditEntry],
+    pub now: OffsetDateTime,
+}
+
+impl ExportPage<'_> {
+    pub fn render(&self) -> Markup {
+        let job = self.job;
+        let outlook = job.outlook(self.now);
+        let when =
+            |at: Option<OffsetDateTime>| html! { @match at { Some(at) => (relative(at, self.now)), None => "–" } };
+        html! {
+            p { a href="/dashboard" { "← Dashboard" } }
+            h1 { "Export " code { (job.id) } }
+            dl {
+                dt { "State" } dd data-field="state" { (job.state.as_str()) }
+                @if let Some(code) = &job.error_code {
+                    dt { "Why it ended" } dd data-field="error" { code { (code) } ": " (job.error_detail.as_deref().unwrap_or("")) }
+                }
+                dt { "Dataset, format, mode" } dd { (job.dataset) ", " (job.format.name()) ", " (job.mode.as_str()) }
+                dt { "Requested by" } dd { (job.principal) }
+                dt { "Created, started, finished" } dd { (when(Some(job.created_at))) ", " (when(job.started_at)) ", " (when(job.finished_at)) }
+                dt { "Progress" } dd data-field="progress" {
+                    (job.rows_done) " rows"
+                    @if let Some(total) = outlook.rows_total_estimate { " of " span data-field="expected-rows" { (total) } }
+                    " in " (job.shards_done) " shards, " (bytes(job.bytes_done))
+                }
+                dt { "ETA" } dd data-field="eta" { @match outlook.eta_seconds { Some(s) => (duration(s as f64)), None => "–" } }
+                @if let (Some(size), Some(sha256)) = (job.file_bytes, &job.file_sha256) {
+                    dt { "File" } dd { (bytes(size)) ", sha256 " code { (sha256) } }
+                }
+                @if let Some(at) = job.expires_at { dt { "Files deleted" } dd { (relative(at, self.now)) } }
+            }
+            h2 { "Shards" }
+            table {
+                thead { tr { th scope="col" { "Shard" } th scope="col" { "Rows" } th scope="col" { "Size" } th scope="col" { "sha256" } } }
+                tbody {
+                    @for shard in self.shards {
+                        tr data-shard=(shard.shard_index) {
+                            td { (shard.shard_index) } td { (shard.rows) } td { (bytes(shard.bytes)) } td { code { (shard.sha256) } }
+                        }
+                    }
+                }
+            }
+            h2 { "Who did what (audit log)" }
+            @if self.events.is_empty() {
+                p { "Nothing recorded yet." }
+            } @else {
+                table {
+                    thead { tr {
+                        th scope="col" { "When" } th scope="col" { "Who" } th scope="col" { "What" } th scope="col" { "Object" }
+                        th scope="col" { "Range" } th scope="col" { "Status" }
+                    } }
+                    tbody {
+                        @for event in self.events {
+                            tr data-event=(event.action) {
+                                td { (relative(event.at, self.now)) } td { (event.principal) } td { (event.action) }
+                                td { (event.object.as_deref().unwrap_or("")) } td { (event.byte_range.as_deref().unwrap_or("")) }
+                                td { @if let Some(status) = event.status { (status) } }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
