@@ -180,6 +180,7 @@ async fn the_dashboard_shows_the_usage_api_its_history_partners_and_an_export(po
         ("exports", "exports_succeeded"),
         ("exports", "exports_failed"),
         ("durations", "export_seconds_p95"),
+        ("queued", "queued_max"),
     ] {
         let drawn = bars(dom, chart, series);
         assert_eq!(drawn.len(), 30, "{chart}/{series}");
@@ -268,4 +269,32 @@ async fn the_dashboard_asks_for_an_admin_token(pool: PgPool) {
     let url = sign_in_url(&app, &app.token("acme", "alice")).await;
     app.clock.advance(std::time::Duration::from_secs(61));
     assert_eq!(admin.get(url).send().await.unwrap().status(), 401);
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_quota_near_or_at_its_limit_is_called_out(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("hooli", "tickets", 600).await; // hooli: storage_bytes = 20000
+    let gavin = app.token("hooli", "gavin");
+    let page = |app: &TestApp| {
+        let request = app.client.get(app.url("/dashboard")).bearer_auth(&gavin);
+        async move { Html::parse_document(&request.send().await.unwrap().text().await.unwrap()) }
+    };
+    assert!(select(&page(&app).await, "[data-warning]").is_empty());
+    // An export of about 17 KiB: over 80 % of the 20 000 stored bytes allowed.
+    let id = app.export(&gavin, &json!({"dataset": "tickets", "format": "csv", "columns": ["subject", "body"]})).await;
+    app.drain().await;
+    let stored: i64 = sqlx::query_scalar("SELECT bytes_done FROM export_jobs WHERE id = $1::uuid")
+        .bind(&id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    let share = stored as f64 / 20000.0 * 100.0;
+    assert!((80.0..100.0).contains(&share), "the fixture export should fill 80-100 % of the quota: {share:.1} %");
+    let dom = page(&app).await;
+    let warning = one(&dom, "[data-warning=stored_bytes]");
+    assert_eq!(attr(warning, "role"), "status");
+    assert!(attr(warning, "class").contains("warn"));
+    assert!(text(warning).contains(&format!("{share:.0} % of the limit")), "{}", text(warning));
+    assert!(text(warning).contains("19.53 KiB"), "readable: {}", text(warning));
 }

@@ -602,3 +602,22 @@ async fn a_month_of_history_reads_per_day_and_per_hour_with_every_bucket_present
     let partner = history(&app, &app.token("acme", "zenpartner"), "").await;
     assert_eq!(partner.status(), 403);
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn usage_history_is_kept_ninety_days(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    sqlx::query(
+        "INSERT INTO tenant_usage_hours (tenant, hour, egress_bytes)
+         SELECT 'acme', date_trunc('hour', now()) - d * interval '1 day', d FROM unnest(ARRAY[10, 89, 91, 200]) d",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let collected = exportd::quota::history::collect(&app.pool, time::OffsetDateTime::now_utc()).await.unwrap();
+    assert_eq!(collected, 2);
+    let kept: Vec<i64> = sqlx::query_scalar("SELECT egress_bytes FROM tenant_usage_hours ORDER BY egress_bytes")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(kept, [10, 89]);
+}

@@ -255,6 +255,15 @@ impl Overview<'_> {
                 format: duration,
             },
             BarChart {
+                id: "queued",
+                title: "Queued exports (highest of the day), against the queue limit",
+                labels: &labels,
+                series: vec![series("queued", "queued_max", |p| p.queued_max as f64)],
+                stacked: true,
+                limit: Some(f64::from(limits.max_queued_exports)),
+                format: count_f,
+            },
+            BarChart {
                 id: "queue",
                 title: "Oldest queued export (highest of the day)",
                 labels: &labels,
