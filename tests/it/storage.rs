@@ -3,10 +3,8 @@
 //! verifying, splicing, ranges, deleting, listing, crash-resume — then what only object
 //! storage has: abandoned multipart uploads and a store outage in the middle of an export.
 
-mod common;
-
-use common::proxy::OutageProxy;
-use common::{Backend, TestApp, csv_rows, expire_lease, full_csv, problem, put_object, read_object};
+use crate::common::proxy::OutageProxy;
+use crate::common::{Backend, TestApp, csv_rows, expire_lease, full_csv, problem, put_object, read_object};
 use exportd::jobs::{ClaimedExport, Step, WorkerConfig};
 use exportd::storage::{ObjectKey, StorageLocation};
 use serde_json::{Value, json};
@@ -176,7 +174,7 @@ async fn a_crashed_export_resumes_to_the_same_bytes_without_rewriting_verified_s
     sqlx::query("DELETE FROM export_shards WHERE export_id = $1::uuid").bind(&id).execute(&app.pool).await.unwrap();
     let second_dir = tempfile::tempdir().unwrap();
     let backend = if app.store.describe().starts_with("s3://") { Backend::S3 } else { Backend::Local };
-    let second_store = common::fresh_store(backend, &app.pool, second_dir.path()).await;
+    let second_store = crate::common::fresh_store(backend, &app.pool, second_dir.path()).await;
     let clean = app.deps_with(app.registry.clone(), second_store.clone());
     assert_eq!(exportd::jobs::drain(&clean, "clean").await.unwrap(), vec![Step::Published]);
     assert_eq!(resumed_manifest, manifest_of(&app, &id).await);
@@ -311,7 +309,7 @@ async fn a_store_outage_mid_export_delays_it_and_loses_nothing(pool: PgPool) {
     let proxy = OutageProxy::start(target).await;
     let via_proxy = format!("http://{}", proxy.addr);
     let app = TestApp::spawn_at(pool, |_| {
-        let mut config = common::s3_config(&format!("test-{}", uuid::Uuid::new_v4().simple()));
+        let mut config = crate::common::s3_config(&format!("test-{}", uuid::Uuid::new_v4().simple()));
         config.endpoint = Some(via_proxy);
         StorageLocation::S3(config)
     })

@@ -1,8 +1,6 @@
 //! Per-tenant limits under concurrency.
 
-mod common;
-
-use common::{TestApp, problem};
+use crate::common::{TestApp, problem};
 use serde_json::json;
 use sqlx::PgPool;
 

@@ -3,13 +3,11 @@
 //! peak RSS is read from `/proc` (VmHWM, reset between scenarios). `scripts/abuse` runs it in a
 //! release build; it is ignored in the normal test run.
 
-mod common;
-
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::processes::{database_url, wait_terminal};
-use common::{LINK_KEYS, TestApp, fixture_tenants_dir, full_csv};
+use crate::common::processes::{database_url, wait_terminal};
+use crate::common::{LINK_KEYS, TestApp, fixture_tenants_dir, full_csv};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 

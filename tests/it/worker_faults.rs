@@ -2,12 +2,10 @@
 //! claims and checkpoints of several tenants racing, ingest batches that deadlock, and
 //! `exportd worker` as a long-running process.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::processes::{self, deadlocks, spawn_worker, terminate, wait_exit, wait_terminal};
-use common::{TestApp, expire_lease, full_csv};
+use crate::common::processes::{self, deadlocks, spawn_worker, terminate, wait_exit, wait_terminal};
+use crate::common::{TestApp, expire_lease, full_csv};
 use exportd::jobs::{ClaimedExport, Step, WorkerConfig};
 use serde_json::{Value, json};
 use sqlx::{Connection, PgPool};

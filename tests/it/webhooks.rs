@@ -1,13 +1,11 @@
 //! Webhooks against a real receiver on a real port: signed once, retried with the same id,
 //! never twice from racing processes, never to internal addresses, and one event per ending.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::receiver::{Answer, Receiver, SECRET, webhook_section};
-use common::{TestApp, edited_registry, full_csv};
+use crate::common::receiver::{Answer, Receiver, SECRET, webhook_section};
+use crate::common::{TestApp, edited_registry, full_csv};
 use exportd::config::WebhookSettings;
 use exportd::tenants::Registry;
 use exportd::webhooks::Deliverer;
@@ -63,7 +61,7 @@ async fn cancelled_export(app: &TestApp) -> String {
     id
 }
 
-fn verify(received: &common::receiver::Received) {
+fn verify(received: &crate::common::receiver::Received) {
     let webhook = standardwebhooks::Webhook::new(SECRET).unwrap();
     webhook.verify(received.body.as_bytes(), &received.headers).expect("a valid Standard Webhooks signature");
 }
@@ -113,7 +111,7 @@ async fn a_published_export_is_announced_once_signed_the_standard_webhooks_way(p
     let partner = app.get(Some(&app.token("acme", "zenpartner")), "/v1/webhooks/deliveries").await;
     assert_eq!(partner.status(), 403);
     let bad = app.get(Some(&app.token("acme", "alice")), "/v1/webhooks/deliveries?event=export.done").await;
-    assert_eq!(common::problem(bad).await["field"], "event");
+    assert_eq!(crate::common::problem(bad).await["field"], "event");
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -350,13 +348,13 @@ async fn a_delivery_process_killed_mid_attempt_is_replaced_and_the_event_arrives
     // The first attempt never gets an answer: the process is killed while it waits.
     let receiver = Receiver::start(vec![Answer::Hang]).await;
     let section = webhook_section("ops", &receiver.url("/k"), &["export.cancelled"], SECRET);
-    let tenants = common::edited_tenants_dir("acme", |text| format!("{text}{section}"));
+    let tenants = crate::common::edited_tenants_dir("acme", |text| format!("{text}{section}"));
     // The state change is committed; no delivery process runs yet.
     cancelled_export(&app).await;
-    let database_url = common::processes::database_url(&app.pool).await;
+    let database_url = crate::common::processes::database_url(&app.pool).await;
     let log = app.data_dir.path().join("worker.log");
     let spawn = || {
-        common::processes::worker_command(&database_url, app.data_dir.path(), &log, 1, "2s")
+        crate::common::processes::worker_command(&database_url, app.data_dir.path(), &log, 1, "2s")
             .env("EXPORTD_TENANTS_DIR", tenants.path())
             .env("EXPORTD_WEBHOOK_ALLOW_HTTP", "true")
             .env("EXPORTD_WEBHOOK_ALLOW_NETS", "127.0.0.0/8")

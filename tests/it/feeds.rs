@@ -1,10 +1,8 @@
 //! Incremental feeds: every committed change exactly once, whatever the commit order.
 
-mod common;
-
 use std::collections::BTreeMap;
 
-use common::{TestApp, problem};
+use crate::common::{TestApp, problem};
 use exportd::jobs::Step;
 use serde_json::{Value, json};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -199,7 +197,7 @@ async fn a_full_export_and_its_feed_together_are_every_change_exactly_once(pool:
     let manifest: Value = app.get(Some(&token), &format!("/v1/exports/{id}/manifest")).await.json().await.unwrap();
     let mut state = BTreeMap::new();
     for shard in app.own_shard_files(&id).await {
-        for line in String::from_utf8(common::gunzip(&shard)).unwrap().lines() {
+        for line in String::from_utf8(crate::common::gunzip(&shard)).unwrap().lines() {
             let mut row: serde_json::Map<String, Value> = serde_json::from_str(line).unwrap();
             let key = row.remove("id").unwrap().as_str().unwrap().to_owned();
             row.retain(|_, v| !v.is_null());
@@ -340,7 +338,7 @@ async fn cursors_are_bound_tamper_evident_replayable_and_expire(pool: PgPool) {
 async fn incremental_rows(app: &TestApp, id: &str) -> Vec<(String, String, Value)> {
     let mut rows = Vec::new();
     for shard in app.own_shard_files(id).await {
-        for line in String::from_utf8(common::gunzip(&shard)).unwrap().lines() {
+        for line in String::from_utf8(crate::common::gunzip(&shard)).unwrap().lines() {
             let row: Value = serde_json::from_str(line).unwrap();
             rows.push((
                 row["_op"].as_str().unwrap().to_owned(),
@@ -469,7 +467,7 @@ async fn old_history_is_collected_except_what_a_live_export_still_reads(pool: Pg
     assert_eq!(stored_window_keys(&app.pool).await, 0);
     assert_eq!(app.drain().await, vec![Step::Published]);
     let shard = &app.own_shard_files(&queued).await[0];
-    let text = String::from_utf8(common::gunzip(shard)).unwrap();
+    let text = String::from_utf8(crate::common::gunzip(shard)).unwrap();
     assert!(text.contains("as exported") && !text.contains("changed later"), "{text}");
 
     // Now the closed versions of kept, protected and deleted, and deleted's tombstone, go.

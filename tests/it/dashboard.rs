@@ -1,11 +1,9 @@
 //! The dashboard in a real browser (headless Chromium): the pages show what the usage APIs say,
 //! and axe-core finds nothing serious in them.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 
-use common::TestApp;
+use crate::common::TestApp;
 use scraper::{Html, Selector};
 use serde_json::{Value, json};
 use sqlx::PgPool;

@@ -1,7 +1,5 @@
 //! Start-up validation of tenant files: every mistake stops start-up naming the file and the field.
 
-mod common;
-
 use std::path::Path;
 
 use exportd::tenants::Registry;
@@ -50,7 +48,7 @@ fn load(files: &[(&str, &str)]) -> Result<Registry, String> {
 fn the_shipped_and_fixture_tenants_load() {
     let shipped = Registry::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tenants")).unwrap();
     assert!(shipped.get("acme").is_some() && shipped.get("globex").is_some());
-    let fixtures = common::fixture_registry();
+    let fixtures = crate::common::fixture_registry();
     assert!(fixtures.get("acme").unwrap().principal("mallory").unwrap().disabled);
     assert!(load(&[("acme.toml", GOOD)]).is_ok());
 }

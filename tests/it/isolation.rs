@@ -1,16 +1,14 @@
 //! Tenant isolation under hostile load: what a refusal costs, and which requests pay the rate.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{TestApp, full_csv, problem};
+use crate::common::{TestApp, full_csv, problem};
 use serde_json::Value;
 use sqlx::PgPool;
 
 /// Transactions committed in this database so far.
 async fn committed(pool: &PgPool) -> i64 {
-    common::processes::database_stat(pool, "xact_commit").await
+    crate::common::processes::database_stat(pool, "xact_commit").await
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -106,7 +104,7 @@ async fn a_connection_that_never_finishes_its_request_head_is_closed(pool: PgPoo
 
 /// The JSON inside a sealed feed cursor (the test knows the server keys).
 fn opened_cursor(cursor: &str) -> Value {
-    let keys = exportd::links::LinkKeys::parse(common::LINK_KEYS).unwrap();
+    let keys = exportd::links::LinkKeys::parse(crate::common::LINK_KEYS).unwrap();
     serde_json::from_slice(&keys.open("exportd-cursor", cursor).expect("a sealed cursor")).unwrap()
 }
 
@@ -310,7 +308,7 @@ async fn after_a_partners_row_filter_changes_its_old_files_and_cursors_are_refus
     assert_eq!(app.get(Some(&partner), &format!("/v1/exports/{id}/file")).await.status(), 200);
 
     let moved = app
-        .sibling(common::edited_registry("acme", |t| {
+        .sibling(crate::common::edited_registry("acme", |t| {
             t.replace(r#"row_filter = { region = "emea" }"#, r#"row_filter = { region = "apac" }"#)
         }))
         .await;
@@ -364,7 +362,7 @@ async fn pages_of_big_records_are_bounded_by_bytes_not_rows(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!(rows, 30);
-    let csv = common::csv_rows(&app.own_shard_files(&id).await[0]);
+    let csv = crate::common::csv_rows(&app.own_shard_files(&id).await[0]);
     assert_eq!(csv.len(), 31);
     assert!(csv[1..].iter().all(|r| r.iter().any(|cell| cell.len() == 900_000)));
 }
@@ -416,8 +414,9 @@ async fn tiny_shards_are_bounded_in_count_and_their_links_come_in_pages(pool: Pg
 #[sqlx::test(migrations = "./migrations")]
 async fn a_tenants_slow_requests_hold_at_most_its_own_slots(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
-    let one_slot =
-        common::edited_registry("acme", |t| t.replace("max_concurrent_requests = 1000", "max_concurrent_requests = 1"));
+    let one_slot = crate::common::edited_registry("acme", |t| {
+        t.replace("max_concurrent_requests = 1000", "max_concurrent_requests = 1")
+    });
     let base = app.sibling(one_slot).await;
     let admin = app.token("acme", "alice");
     // A host transaction holds key k1, so acme's ingest of k1 waits on it (a slow request).

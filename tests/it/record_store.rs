@@ -1,7 +1,5 @@
 //! The versioned record store, exercised through its SQL functions with real transactions.
 
-mod common;
-
 use exportd::records::{self, AsOf, Snapshot};
 use exportd::tenants::{DatasetName, TenantId};
 use serde_json::{Value, json};
@@ -43,7 +41,7 @@ fn pairs(items: &[(&str, &str)]) -> Vec<(String, String)> {
 
 #[sqlx::test(migrations = "./migrations")]
 async fn a_write_committed_before_a_snapshot_is_visible_as_of_it(pool: PgPool) {
-    common::prepare_db(&pool).await;
+    crate::common::prepare_db(&pool).await;
     upsert(&mut pool.acquire().await.unwrap(), "t1", ticket("first")).await;
     let snap = snapshot(&pool).await;
     assert_eq!(read(&pool, &snap).await, pairs(&[("t1", "first")]));
@@ -51,7 +49,7 @@ async fn a_write_committed_before_a_snapshot_is_visible_as_of_it(pool: PgPool) {
 
 #[sqlx::test(migrations = "./migrations")]
 async fn a_writer_open_at_the_snapshot_stays_invisible_after_it_commits(pool: PgPool) {
-    common::prepare_db(&pool).await;
+    crate::common::prepare_db(&pool).await;
     let mut writer = pool.acquire().await.unwrap();
     let mut tx = writer.begin().await.unwrap();
     upsert(&mut tx, "late", ticket("late")).await;
@@ -64,7 +62,7 @@ async fn a_writer_open_at_the_snapshot_stays_invisible_after_it_commits(pool: Pg
 
 #[sqlx::test(migrations = "./migrations")]
 async fn updates_and_deletes_after_a_snapshot_do_not_change_what_it_reads(pool: PgPool) {
-    common::prepare_db(&pool).await;
+    crate::common::prepare_db(&pool).await;
     let mut conn = pool.acquire().await.unwrap();
     for key in ["a", "b", "c"] {
         upsert(&mut conn, key, ticket(&format!("{key} v1"))).await;
@@ -81,7 +79,7 @@ async fn updates_and_deletes_after_a_snapshot_do_not_change_what_it_reads(pool: 
 
 #[sqlx::test(migrations = "./migrations")]
 async fn the_sql_functions_join_the_callers_transaction_and_vanish_on_rollback(pool: PgPool) {
-    common::prepare_db(&pool).await;
+    crate::common::prepare_db(&pool).await;
     let mut conn = pool.acquire().await.unwrap();
     upsert(&mut conn, "kept", ticket("kept")).await;
 
@@ -100,7 +98,7 @@ async fn the_sql_functions_join_the_callers_transaction_and_vanish_on_rollback(p
 
 #[sqlx::test(migrations = "./migrations")]
 async fn rewriting_a_key_in_one_transaction_keeps_one_version(pool: PgPool) {
-    common::prepare_db(&pool).await;
+    crate::common::prepare_db(&pool).await;
     let mut conn = pool.acquire().await.unwrap();
     let before = snapshot(&pool).await;
     let mut tx = conn.begin().await.unwrap();
@@ -120,7 +118,7 @@ async fn rewriting_a_key_in_one_transaction_keeps_one_version(pool: PgPool) {
 /// Two transactions write the same key; the second blocks on the first (seen in pg_locks),
 /// both commit, and snapshots between them read each version in commit order.
 async fn concurrent_writers_commit_in_order(pool: PgPool, existing: bool) {
-    common::prepare_db(&pool).await;
+    crate::common::prepare_db(&pool).await;
     if existing {
         upsert(&mut pool.acquire().await.unwrap(), "k", ticket("original")).await;
     }
@@ -142,7 +140,7 @@ async fn concurrent_writers_commit_in_order(pool: PgPool, existing: bool) {
         tx2.commit().await.unwrap();
     });
 
-    common::wait_until_blocked(&pool, second_pid).await;
+    crate::common::wait_until_blocked(&pool, second_pid).await;
     tx1.commit().await.unwrap();
     written_rx.await.unwrap();
     let s1 = snapshot(&pool).await; // first committed, second written but open
@@ -173,7 +171,7 @@ async fn two_concurrent_writers_of_an_existing_key_both_commit_in_order(pool: Pg
 
 #[sqlx::test(migrations = "./migrations")]
 async fn the_sql_functions_refuse_records_that_do_not_fit_and_name_the_field(pool: PgPool) {
-    common::prepare_db(&pool).await;
+    crate::common::prepare_db(&pool).await;
     let cases = [
         ("tickets", "k", json!({"subject": "s"}), "data.status"),
         ("tickets", "k", json!({"subject": "s", "status": "open", "priority": 1.5}), "data.priority"),
@@ -210,7 +208,7 @@ async fn the_sql_functions_refuse_records_that_do_not_fit_and_name_the_field(poo
 
 #[sqlx::test(migrations = "./migrations")]
 async fn seeding_writes_versions_like_the_sql_functions(pool: PgPool) {
-    let registry = common::prepare_db(&pool).await;
+    let registry = crate::common::prepare_db(&pool).await;
     let tenant = registry.get("acme").unwrap();
     let schema = tenant.dataset("tickets").unwrap();
     let report = records::seed(&pool, &acme(), schema, 0, 500, 1).await.unwrap();
@@ -243,7 +241,7 @@ async fn seeding_writes_versions_like_the_sql_functions(pool: PgPool) {
 
 #[sqlx::test(migrations = "./migrations")]
 async fn keyset_pages_cover_every_record_once(pool: PgPool) {
-    let registry = common::prepare_db(&pool).await;
+    let registry = crate::common::prepare_db(&pool).await;
     let schema = registry.get("acme").unwrap().dataset("tickets").unwrap();
     records::seed(&pool, &acme(), schema, 0, 1234, 1).await.unwrap();
     let snap = snapshot(&pool).await;

@@ -1,13 +1,11 @@
 //! `exportd-client download` and `pull` against a real server: resume after a kill, parallel
 //! shards, checksums, cursors.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::TestApp;
+use crate::common::TestApp;
 use exportd::jobs::Step;
 use serde_json::{Value, json};
 use sqlx::PgPool;

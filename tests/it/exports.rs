@@ -1,8 +1,6 @@
 //! Full exports end to end: create over HTTP, run with real workers, read the shard files.
 
-mod common;
-
-use common::{TestApp, csv_rows, expire_lease, full_csv, gunzip, problem};
+use crate::common::{TestApp, csv_rows, expire_lease, full_csv, gunzip, problem};
 use exportd::jobs::{ClaimedExport, Step};
 use serde_json::{Value, json};
 use sqlx::{Connection, PgPool};
@@ -499,8 +497,9 @@ async fn a_revoked_grant_fails_the_export_without_publishing(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
     app.seed("acme", "tickets", 20).await;
     let id = app.export(&app.token("acme", "zenpartner"), &full_csv(50)).await;
-    let revoked =
-        common::edited_registry("acme", |t| t.replace("grants = [\"tickets\"]\nrow_filter", "grants = []\nrow_filter"));
+    let revoked = crate::common::edited_registry("acme", |t| {
+        t.replace("grants = [\"tickets\"]\nrow_filter", "grants = []\nrow_filter")
+    });
     let deps = app.deps_with(revoked, app.store.clone());
     assert_eq!(
         exportd::jobs::drain(&deps, "w").await.unwrap(),

@@ -1,11 +1,9 @@
 //! The HTTP edge: health, OpenAPI, authentication, ingest — over a real TCP port.
 
-mod common;
-
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::common::{TestApp, problem};
 use base64::Engine;
-use common::{TestApp, problem};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
@@ -280,7 +278,7 @@ async fn the_token_command_mints_a_working_token(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_exportd"))
         .args(["token", "--tenant", "globex", "--principal", "hank", "--ttl", "5m"])
-        .env("EXPORTD_TENANTS_DIR", common::fixture_tenants_dir())
+        .env("EXPORTD_TENANTS_DIR", crate::common::fixture_tenants_dir())
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));

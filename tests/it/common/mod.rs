@@ -1,5 +1,4 @@
 //! Shared test harness: the real app on a real port, over a fresh database per test.
-#![allow(dead_code)] // each test binary uses a different part of the harness
 
 pub mod processes;
 pub mod proxy;

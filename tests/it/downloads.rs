@@ -1,8 +1,6 @@
 //! Downloads over a real TCP port: links, ranges, revoke, retention, the cleaner, audit.
 
-mod common;
-
-use common::{TestApp, gunzip, problem};
+use crate::common::{TestApp, gunzip, problem};
 use exportd::jobs::Step;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
@@ -59,12 +57,12 @@ async fn the_status_hands_out_fresh_links_and_the_whole_file_is_one_csv(pool: Pg
     std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&body[..]), &mut text).unwrap();
     assert_eq!(text, gunzip(&body));
     assert!(text.starts_with(b"\xEF\xBB\xBF\"id\""));
-    let rows = common::csv_rows(&body);
+    let rows = crate::common::csv_rows(&body);
     assert_eq!(rows.len(), 231);
     assert_eq!(rows.iter().filter(|r| r[0] == "id").count(), 1);
     let mut from_shards = Vec::new();
     for shard in app.own_shard_files(&id).await {
-        from_shards.extend(common::csv_rows(&shard).into_iter().skip(1));
+        from_shards.extend(crate::common::csv_rows(&shard).into_iter().skip(1));
     }
     assert_eq!(rows[1..], from_shards[..]);
 
@@ -182,7 +180,7 @@ async fn bad_expired_foreign_or_misused_links_are_refused(pool: PgPool) {
 
     // The same link on a server where the partner was disabled, or lost the grant.
     let disabled = app
-        .sibling(common::edited_registry("acme", |t| {
+        .sibling(crate::common::edited_registry("acme", |t| {
             t.replace("grants = [\"tickets\"]\nrow_filter", "disabled = true\ngrants = [\"tickets\"]\nrow_filter")
         }))
         .await;
@@ -190,7 +188,7 @@ async fn bad_expired_foreign_or_misused_links_are_refused(pool: PgPool) {
     assert_eq!(response.status(), 403);
     assert_eq!(problem(response).await["code"], "principal-disabled");
     let ungranted = app
-        .sibling(common::edited_registry("acme", |t| {
+        .sibling(crate::common::edited_registry("acme", |t| {
             t.replace("grants = [\"tickets\"]\nrow_filter", "grants = []\nrow_filter")
         }))
         .await;

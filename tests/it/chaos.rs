@@ -6,13 +6,13 @@
 //! The short form runs with the tests; `scripts/chaos` runs the long one (40 kills, 5 bursts)
 //! in a release build and prints its figures. Both stop by themselves.
 
-mod common;
-
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use common::TestApp;
-use common::processes::{self, deadlocks, spawn_worker, terminate, terminate_backends, wait_exit, wait_terminal};
+use crate::common::TestApp;
+use crate::common::processes::{
+    self, deadlocks, spawn_worker, terminate, terminate_backends, wait_exit, wait_terminal,
+};
 use serde_json::json;
 use sqlx::PgPool;
 

@@ -2,9 +2,7 @@
 //! publishes, idle workers (any process) write planned shards under per-shard leases, and the
 //! result is byte for byte a one-worker run.
 
-mod common;
-
-use common::{TestApp, expire_lease, full_csv};
+use crate::common::{TestApp, expire_lease, full_csv};
 use exportd::jobs::{ClaimedExport, Outcome, Step, WorkerDeps, run_next_job};
 use serde_json::Value;
 use sqlx::PgPool;

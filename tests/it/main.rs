@@ -1,0 +1,22 @@
+//! The integration tests, one binary (one link for all): real PostgreSQL (a fresh database per
+//! test), real TCP ports, real files and S3-compatible storage. Each module is one area.
+
+mod common;
+
+mod abuse;
+mod chaos;
+mod cli_errors;
+mod client;
+mod dashboard;
+mod downloads;
+mod exports;
+mod feeds;
+mod http_api;
+mod isolation;
+mod parallel;
+mod quotas;
+mod record_store;
+mod storage;
+mod tenant_config;
+mod webhooks;
+mod worker_faults;
