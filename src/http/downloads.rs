@@ -195,7 +195,9 @@ fn caller_from_link(state: &AppState, token: &str, id: &str, object: Object) -> 
     let principal = tenant.principal(&claims.sub).filter(|p| !p.disabled).ok_or_else(|| {
         ApiError::new(StatusCode::FORBIDDEN, "principal-disabled", "the link's principal is disabled or removed")
     })?;
-    Ok(Caller { tenant: tenant.clone(), principal: principal.clone() })
+    let caller = Caller { tenant: tenant.clone(), principal: principal.clone() };
+    super::extract::in_request_span(&caller);
+    Ok(caller)
 }
 
 /// The bytes of `answer`, its first chunk already read; `slot` (the tenant's concurrent-download

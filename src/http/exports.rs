@@ -199,6 +199,7 @@ async fn create_export(
         metrics::counter!("exportd_idempotency_replays_total").increment(1);
     }
     let job = created.job;
+    tracing::Span::current().record("export", tracing::field::display(job.id));
     if !created.replayed {
         audit::record(&state.pool, event(&caller, "created", job.id)).await;
     }
@@ -412,9 +413,12 @@ async fn get_manifest(
     Ok(([(CONTENT_TYPE, HeaderValue::from_static("application/json")), (ETAG, etag)], bytes).into_response())
 }
 
-/// A malformed id is answered like a missing export.
+/// A malformed id is answered like a missing export. A valid one names the export in the
+/// request's span (so one export can be followed through the API's logs and the worker's).
 pub(super) fn export_id(text: &str) -> ApiResult<Uuid> {
-    Uuid::parse_str(text).map_err(|_| ExportError::NotFound.into())
+    let id = Uuid::parse_str(text).map_err(|_| ApiError::from(ExportError::NotFound))?;
+    tracing::Span::current().record("export", tracing::field::display(id));
+    Ok(id)
 }
 
 impl From<ExportError> for ApiError {

@@ -43,10 +43,15 @@ pub fn caller_from_headers(state: &AppState, headers: &HeaderMap) -> Result<Call
         .and_then(|h| bearer_token(h).ok_or(AuthError::Malformed))
         .map_err(|e| ApiError::unauthorized(&e))?;
     let caller = auth::authenticate(&state.registry, token).map_err(|e| ApiError::unauthorized(&e))?;
+    in_request_span(&caller);
+    Ok(caller)
+}
+
+/// Names the caller in the request's span, so every log line of the request carries them.
+pub fn in_request_span(caller: &Caller) {
     let span = tracing::Span::current();
     span.record("tenant", caller.tenant.id.as_str());
     span.record("principal", caller.principal.id.as_str());
-    Ok(caller)
 }
 
 /// The bearer token of the request's `Authorization` header, if it has one — the one reading of

@@ -94,6 +94,7 @@ fn request_span(request: &Request) -> tracing::Span {
         request_id,
         tenant = tracing::field::Empty,
         principal = tracing::field::Empty,
+        export = tracing::field::Empty,
     )
 }
 

@@ -3,11 +3,10 @@
 //! peak RSS is read from `/proc` (VmHWM, reset between scenarios). `scripts/abuse` runs it in a
 //! release build; it is ignored in the normal test run.
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::processes::{database_url, wait_terminal};
-use crate::common::{LINK_KEYS, TestApp, fixture_tenants_dir, full_csv};
+use crate::common::processes::{Server, wait_terminal};
+use crate::common::{TestApp, full_csv};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
@@ -33,40 +32,8 @@ fn p99(latencies: &mut [Duration]) -> Duration {
     latencies[(latencies.len() * 99 / 100).min(latencies.len() - 1)]
 }
 
-struct Server {
-    child: Child,
-    base: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 async fn start_server(app: &TestApp) -> Server {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    #[allow(clippy::zombie_processes)] // waited for in `Server::drop`
-    let child = Command::new(env!("CARGO_BIN_EXE_exportd"))
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--workers", "1"])
-        .env("DATABASE_URL", database_url(&app.pool).await)
-        .env("EXPORTD_TENANTS_DIR", fixture_tenants_dir())
-        .env("EXPORTD_DATA_DIR", app.data_dir.path())
-        .env("EXPORTD_LINK_KEYS", LINK_KEYS)
-        .env("EXPORTD_LOG", "error")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
-    for _ in 0..200 {
-        if reqwest::get(format!("{base}/healthz")).await.is_ok_and(|r| r.status() == 200) {
-            return Server { child, base };
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("exportd serve did not come up");
+    Server::start(app, "1", None).await
 }
 
 /// Sequential requests of a well-behaved tenant for `during`: latencies and errors.

@@ -1,6 +1,6 @@
 //! The HTTP edge: health, OpenAPI, authentication, ingest — over a real TCP port.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::common::{TestApp, problem};
 use base64::Engine;
@@ -297,5 +297,80 @@ async fn a_wrong_method_is_a_problem_naming_the_allowed_ones(pool: PgPool) {
         assert!(allow.split(',').any(|m| m.trim() == allowed), "{path}: Allow: {allow}");
         let body = problem(response).await;
         assert_eq!(body["code"], "method-not-allowed", "{path}");
+    }
+}
+
+/// The JSON log lines of a process.
+fn log_lines(path: &std::path::Path) -> Vec<Value> {
+    std::fs::read_to_string(path).unwrap().lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn one_export_can_be_followed_through_the_api_and_worker_logs_which_hold_no_secrets(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 30).await;
+    let (api_log, worker_log) = (app.data_dir.path().join("api.log"), app.data_dir.path().join("worker.log"));
+    let server = crate::common::processes::Server::start(&app, "0", Some(&api_log)).await;
+    let token = app.token("acme", "alice");
+    let client = reqwest::Client::new();
+    let created: Value = client
+        .post(format!("{}/v1/exports", server.base))
+        .bearer_auth(&token)
+        .header("Idempotency-Key", "follow-me")
+        .json(&json!({"dataset": "tickets", "format": "csv", "shard_rows": 10}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = created["id"].as_str().unwrap().to_owned();
+    let database_url = crate::common::processes::database_url(&app.pool).await;
+    let mut worker =
+        crate::common::processes::worker_command(&database_url, app.data_dir.path(), &worker_log, 1, "10s")
+            .env("EXPORTD_LOG", "info")
+            .spawn()
+            .unwrap();
+    assert_eq!(crate::common::processes::wait_terminal(&app.pool, &id, Duration::from_secs(30)).await, "SUCCEEDED");
+    let status: Value = client
+        .get(format!("{}/v1/exports/{id}", server.base))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let link = status["links"]["file"].as_str().unwrap().to_owned();
+    assert_eq!(client.get(format!("{}{link}", server.base)).send().await.unwrap().status(), 200);
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+    drop(server);
+
+    // The API's request lines name the export, its tenant and principal, for the create, the
+    // status and the download by link.
+    let api = log_lines(&api_log);
+    let routes: Vec<&str> = api
+        .iter()
+        .filter(|l| l["span"]["export"] == id.as_str())
+        .inspect(|l| {
+            assert_eq!((l["span"]["tenant"].as_str(), l["span"]["principal"].as_str()), (Some("acme"), Some("alice")))
+        })
+        .filter_map(|l| l["span"]["route"].as_str())
+        .collect();
+    for route in ["/v1/exports", "/v1/exports/{id}", "/v1/exports/{id}/file"] {
+        assert!(routes.contains(&route), "{route} not among {routes:?}");
+    }
+    // The worker's lines of the job carry the same export id (claim, shards, publish).
+    let worker_lines: Vec<Value> =
+        log_lines(&worker_log).into_iter().filter(|l| l["span"]["export"] == id.as_str()).collect();
+    assert!(worker_lines.len() >= 2, "{worker_lines:?}");
+    assert!(worker_lines.iter().all(|l| l["span"]["tenant"] == "acme"));
+    // Neither log holds the bearer token, the link's token or any record data.
+    let link_token = link.split("token=").nth(1).unwrap();
+    for path in [&api_log, &worker_log] {
+        let text = std::fs::read_to_string(path).unwrap();
+        assert!(!text.contains(&token) && !text.contains(link_token), "a secret in {}", path.display());
+        assert!(!text.contains("tickets-000000007"), "record keys in {}", path.display());
     }
 }

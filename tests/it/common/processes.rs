@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
 
-use super::{LINK_KEYS, fixture_tenants_dir};
+use super::{LINK_KEYS, TestApp, fixture_tenants_dir};
 
 /// The URL of the test's own database (`DATABASE_URL` names the server).
 pub async fn database_url(pool: &PgPool) -> String {
@@ -38,6 +38,53 @@ pub fn worker_command(database_url: &str, data_dir: &Path, log: &Path, workers: 
         .stdout(Stdio::null())
         .stderr(std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap());
     command
+}
+
+/// An `exportd serve` process over the app's database and data directory, killed when dropped.
+pub struct Server {
+    pub child: Child,
+    pub base: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    /// Starts `exportd serve --workers <workers>` on a free port, its log (EXPORTD_LOG=info)
+    /// appended to `log`, or none; returns once `/healthz` answers.
+    pub async fn start(app: &TestApp, workers: &str, log: Option<&Path>) -> Server {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let (level, log) = match log {
+            Some(path) => {
+                ("info", Stdio::from(std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap()))
+            }
+            None => ("error", Stdio::null()),
+        };
+        #[allow(clippy::zombie_processes)] // waited for in `Server::drop`
+        let child = Command::new(env!("CARGO_BIN_EXE_exportd"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--workers", workers])
+            .env("DATABASE_URL", database_url(&app.pool).await)
+            .env("EXPORTD_TENANTS_DIR", fixture_tenants_dir())
+            .env("EXPORTD_DATA_DIR", app.data_dir.path())
+            .env("EXPORTD_LINK_KEYS", LINK_KEYS)
+            .env("EXPORTD_LOG", level)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let base = format!("http://127.0.0.1:{port}");
+        for _ in 0..200 {
+            if reqwest::get(format!("{base}/healthz")).await.is_ok_and(|r| r.status() == 200) {
+                return Server { child, base };
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("exportd serve did not come up");
+    }
 }
 
 /// Sends SIGTERM (what a supervisor sends to stop a service).
