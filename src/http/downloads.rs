@@ -88,93 +88,134 @@ async fn serve(
     headers: &HeaderMap,
     peer: SocketAddr,
 ) -> Response {
-    let outcome = async {
-        let caller = match token {
-            Some(token) => {
-                let linked = caller_from_link(state, token, id, object)?;
-                // A link presented together with someone else's bearer token is not theirs to use.
-                if headers.contains_key(AUTHORIZATION) {
-                    let bearer = caller_from_headers(state, headers)?;
-                    if bearer.tenant.id != linked.tenant.id || bearer.principal.id != linked.principal.id {
-                        return Err(ApiError::new(
-                            StatusCode::FORBIDDEN,
-                            "invalid-link",
-                            "the link belongs to another principal",
-                        ));
-                    }
-                }
-                linked
-            }
-            None => caller_from_headers(state, headers)?,
-        };
-        admit(state, &caller)?;
-        let download = download::open(&state.pool, &caller, export_id(id)?, object).await?;
-        Ok::<_, ApiError>((caller, download))
-    }
-    .await;
-    let (caller, download) = match outcome {
-        Ok(found) => found,
-        Err(e) => return e.into_response(),
-    };
-    let range = headers.get(RANGE).and_then(|v| v.to_str().ok());
-    let if_range = headers.get(IF_RANGE).and_then(|v| v.to_str().ok());
-    let len = download.layout.len();
-    let answer = decide(range, if_range, &download.etag, len);
-    let byte_range = match answer {
-        RangeAnswer::Full => None,
-        RangeAnswer::Partial { start, end } => Some(format!("{start}-{end}")),
-        RangeAnswer::Unsatisfiable => range.map(str::to_owned),
-    };
-    let (status, bytes) = match answer {
-        RangeAnswer::Full => (StatusCode::OK, len),
-        RangeAnswer::Partial { start, end } => (StatusCode::PARTIAL_CONTENT, end - start + 1),
-        RangeAnswer::Unsatisfiable => (StatusCode::RANGE_NOT_SATISFIABLE, 0),
-    };
-    let event = |status: StatusCode, bytes: u64| AuditEvent {
-        tenant: caller.tenant.id.as_str(),
-        principal: caller.principal.id.as_str(),
-        action: "downloaded",
-        export_id: Some(download.job.id),
-        object: Some(object.name()),
-        byte_range: byte_range.clone(),
-        status: Some(status.as_u16()),
-        address: Some(peer.ip().to_string()),
-        bytes: Some(bytes),
-    };
+    serve_or_refuse(state, id, object, token, method, headers, peer).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Authorize, find the object, decide the range; then (GET) take a download slot, read the
+/// first bytes, charge the egress quota and stream.
+async fn serve_or_refuse(
+    state: &AppState,
+    id: &str,
+    object: Object,
+    token: Option<&str>,
+    method: &Method,
+    headers: &HeaderMap,
+    peer: SocketAddr,
+) -> ApiResult<Response> {
+    let caller = credential(state, id, object, token, headers)?;
+    admit(state, &caller)?;
+    let download = download::open(&state.pool, &caller, export_id(id)?, object).await?;
+    let reply = Reply::decide(headers, &download);
     if method == Method::HEAD {
-        return respond(&download, answer, len, Body::empty());
+        return Ok(respond(&download, reply.answer, Body::empty()));
     }
     let Some(slot) = state.limits.download_slot(&caller.tenant.id) else {
         state.limits.refusals.count(&caller.tenant.id, RefusalKind::Downloads);
         let detail = "the tenant's max_concurrent_downloads are streaming; retry when one has finished";
-        return ApiError::busy("too-many-downloads", detail).into_response();
+        return Err(ApiError::busy("too-many-downloads", detail));
     };
     // The first bytes are read before anything is charged or answered, so a store that is down
     // gives a clean 503 rather than a cut-off body.
-    let body = match body(&state.store, &download, answer, slot).await {
-        Ok(body) => body,
-        Err(e) => return ApiError::from(e).into_response(),
-    };
-    // The download is admitted, and its bytes recorded, within today's egress quota.
-    match quota::admit_download(&state.pool, &caller.tenant, event(status, bytes), state.clock.now()).await {
-        Ok(Ok(())) => {
-            metrics::counter!("exportd_downloads_total", "status" => status.as_str().to_owned()).increment(1);
-            metrics::counter!("exportd_egress_bytes_total", "tenant" => caller.tenant.id.to_string()).increment(bytes);
-            respond(&download, answer, len, body)
+    let body = body(&state.store, &download, reply.answer, slot).await?;
+    charge(state, &caller, &download, &reply, peer).await?;
+    Ok(respond(&download, reply.answer, body))
+}
+
+/// Who is downloading: the signed link's principal, or the bearer token's.
+fn credential(
+    state: &AppState,
+    id: &str,
+    object: Object,
+    token: Option<&str>,
+    headers: &HeaderMap,
+) -> ApiResult<Caller> {
+    let Some(token) = token else { return caller_from_headers(state, headers) };
+    let linked = caller_from_link(state, token, id, object)?;
+    // A link presented together with someone else's bearer token is not theirs to use.
+    if headers.contains_key(AUTHORIZATION) {
+        let bearer = caller_from_headers(state, headers)?;
+        if bearer.tenant.id != linked.tenant.id || bearer.principal.id != linked.principal.id {
+            return Err(ApiError::new(StatusCode::FORBIDDEN, "invalid-link", "the link belongs to another principal"));
         }
-        Ok(Err(wait)) => {
+    }
+    Ok(linked)
+}
+
+/// The answer to a request's `Range` (and `If-Range`): status, bytes sent, and the range as
+/// the audit log records it.
+struct Reply {
+    answer: RangeAnswer,
+    status: StatusCode,
+    bytes: u64,
+    byte_range: Option<String>,
+}
+
+impl Reply {
+    fn decide(headers: &HeaderMap, download: &Download) -> Reply {
+        let range = headers.get(RANGE).and_then(|v| v.to_str().ok());
+        let if_range = headers.get(IF_RANGE).and_then(|v| v.to_str().ok());
+        let answer = decide(range, if_range, &download.etag, download.layout.len());
+        let (status, bytes, byte_range) = match answer {
+            RangeAnswer::Full => (StatusCode::OK, download.layout.len(), None),
+            RangeAnswer::Partial { start, end } => {
+                (StatusCode::PARTIAL_CONTENT, end - start + 1, Some(format!("{start}-{end}")))
+            }
+            RangeAnswer::Unsatisfiable => (StatusCode::RANGE_NOT_SATISFIABLE, 0, range.map(str::to_owned)),
+        };
+        Reply { answer, status, bytes, byte_range }
+    }
+
+    fn event<'a>(
+        &'a self,
+        caller: &'a Caller,
+        download: &Download,
+        peer: SocketAddr,
+        status: StatusCode,
+        bytes: u64,
+    ) -> AuditEvent<'a> {
+        AuditEvent {
+            tenant: caller.tenant.id.as_str(),
+            principal: caller.principal.id.as_str(),
+            action: "downloaded",
+            export_id: Some(download.job.id),
+            object: Some(download.object.name()),
+            byte_range: self.byte_range.clone(),
+            status: Some(status.as_u16()),
+            address: Some(peer.ip().to_string()),
+            bytes: Some(bytes),
+        }
+    }
+}
+
+/// Admits the download within today's egress quota and records it (audit log, metrics); a
+/// refusal is counted and audited too.
+async fn charge(
+    state: &AppState,
+    caller: &Caller,
+    download: &Download,
+    reply: &Reply,
+    peer: SocketAddr,
+) -> ApiResult<()> {
+    let event = reply.event(caller, download, peer, reply.status, reply.bytes);
+    match quota::admit_download(&state.pool, &caller.tenant, event, state.clock.now()).await? {
+        Ok(()) => {
+            metrics::counter!("exportd_downloads_total", "status" => reply.status.as_str().to_owned()).increment(1);
+            metrics::counter!("exportd_egress_bytes_total", "tenant" => caller.tenant.id.to_string())
+                .increment(reply.bytes);
+            Ok(())
+        }
+        Err(wait) => {
             metrics::counter!("exportd_downloads_total", "status" => "429").increment(1);
             state.limits.refusals.count(&caller.tenant.id, RefusalKind::Egress);
-            audit::record(&state.pool, event(StatusCode::TOO_MANY_REQUESTS, 0)).await;
+            audit::record(&state.pool, reply.event(caller, download, peer, StatusCode::TOO_MANY_REQUESTS, 0)).await;
             let mut e = ApiError::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 "egress-quota-exceeded",
                 "the tenant's egress_bytes_per_day is used up; it resets at midnight UTC",
             );
             e.retry_after_seconds = Some(wait.as_secs());
-            e.into_response()
+            Err(e)
         }
-        Err(e) => ApiError::from(e).into_response(),
     }
 }
 
@@ -227,7 +268,8 @@ async fn body(
 }
 
 /// The response for `answer` with `body`.
-fn respond(download: &Download, answer: RangeAnswer, len: u64, body: Body) -> Response {
+fn respond(download: &Download, answer: RangeAnswer, body: Body) -> Response {
+    let len = download.layout.len();
     let etag = HeaderValue::from_str(&download.etag).expect("hex");
     let (status, start, end) = match answer {
         RangeAnswer::Unsatisfiable => {
