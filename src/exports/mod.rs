@@ -40,8 +40,8 @@ pub enum ExportError {
     InvalidCursor { field: &'static str, detail: String },
     #[error("{0}")]
     CursorExpired(String),
-    #[error("{queued} exports are already queued (quota {limit_name} = {limit})")]
-    QuotaExceeded { limit_name: &'static str, limit: u64, queued: u64 },
+    #[error(transparent)]
+    Rejected(#[from] crate::quota::Rejection),
     #[error("an incremental export of this dataset is already queued or running for this principal")]
     IncrementalInProgress,
     #[error("this Idempotency-Key was already used with a different request")]
@@ -179,7 +179,8 @@ pub async fn create(
     };
     if let Some((limit_name, limit, queued)) = refusal {
         drop(tx);
-        return Err(ExportError::QuotaExceeded { limit_name, limit: u64::from(limit), queued: queued as u64 });
+        let rejection = crate::quota::Rejection::Queued { limit_name, limit: u64::from(limit), queued: queued as u64 };
+        return Err(rejection.into());
     }
     let inserted: Option<ExportJob> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "INSERT INTO export_jobs (id, tenant, principal, dataset, mode, format, request, request_sha256,

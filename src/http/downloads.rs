@@ -29,7 +29,7 @@ use crate::exports::download::{self, Download, Object};
 use crate::exports::layout;
 use crate::links::LinkError;
 
-use crate::quota::{self, RefusalKind};
+use crate::quota;
 use crate::storage::{ArtifactStore, StoreError};
 
 pub fn router() -> OpenApiRouter<AppState> {
@@ -109,11 +109,7 @@ async fn serve_or_refuse(
     if method == Method::HEAD {
         return Ok(respond(&download, reply.answer, Body::empty()));
     }
-    let Some(slot) = state.limits.download_slot(&caller.tenant.id) else {
-        state.limits.refusals.count(&caller.tenant.id, RefusalKind::Downloads);
-        let detail = "the tenant's max_concurrent_downloads are streaming; retry when one has finished";
-        return Err(ApiError::busy("too-many-downloads", detail));
-    };
+    let slot = state.limits.download_slot(&caller.tenant.id)?;
     // The first bytes are read before anything is charged or answered, so a store that is down
     // gives a clean 503 rather than a cut-off body.
     let body = body(&state.store, &download, reply.answer, slot).await?;
@@ -204,17 +200,10 @@ async fn charge(
                 .increment(reply.bytes);
             Ok(())
         }
-        Err(wait) => {
+        Err(rejection) => {
             metrics::counter!("exportd_downloads_total", "status" => "429").increment(1);
-            state.limits.refusals.count(&caller.tenant.id, RefusalKind::Egress);
             audit::record(&state.pool, reply.event(caller, download, peer, StatusCode::TOO_MANY_REQUESTS, 0)).await;
-            let mut e = ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "egress-quota-exceeded",
-                "the tenant's egress_bytes_per_day is used up; it resets at midnight UTC",
-            );
-            e.retry_after_seconds = Some(wait.as_secs());
-            Err(e)
+            Err(state.limits.refuse(&caller.tenant.id, rejection).into())
         }
     }
 }

@@ -85,13 +85,6 @@ impl ApiError {
         e
     }
 
-    /// 429 with `Retry-After: 1`: the tenant's concurrent slots of a kind are all taken.
-    pub fn busy(code: &'static str, detail: &str) -> Self {
-        let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, code, detail);
-        e.retry_after_seconds = Some(1);
-        e
-    }
-
     pub fn with(mut self, member: &str, value: impl Into<Value>) -> Self {
         self.members.insert(member.to_owned(), value.into());
         self
@@ -125,6 +118,18 @@ impl IntoResponse for ApiError {
             headers.insert(header::WWW_AUTHENTICATE, challenge);
         }
         response
+    }
+}
+
+/// Every quota refusal of the request path is a 429 with its code and `Retry-After`.
+impl From<crate::quota::Rejection> for ApiError {
+    fn from(rejection: crate::quota::Rejection) -> Self {
+        let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, rejection.code(), rejection.to_string());
+        if let crate::quota::Rejection::Queued { limit_name, limit, .. } = &rejection {
+            e = e.with("limit", *limit_name).with("max", *limit);
+        }
+        e.retry_after_seconds = Some(rejection.retry_after().as_secs_f64().ceil().max(1.0) as u64);
+        e
     }
 }
 

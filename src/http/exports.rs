@@ -20,7 +20,6 @@ use crate::exports::estimate::Estimate;
 use crate::exports::{
     self, Cancel, ExportError, ExportJob, ExportRequest, ExportState, FeedContext, IdempotencyKey, Mode, Revoke,
 };
-use crate::quota::RefusalKind;
 use crate::writers::Format;
 
 const DEFAULT_PAGE: u32 = 50;
@@ -192,7 +191,7 @@ async fn create_export(
     let feed = FeedContext { keys: &state.links, cluster: &cluster, now: state.clock.now() };
     let created = exports::create(&state.pool, &caller, &key, &request, &feed).await.inspect_err(|e| match e {
         ExportError::IdempotencyKeyReused => metrics::counter!("exportd_idempotency_conflicts_total").increment(1),
-        ExportError::QuotaExceeded { .. } => state.limits.refusals.count(&caller.tenant.id, RefusalKind::Queued),
+        ExportError::Rejected(rejection) => state.limits.refusals.count(&caller.tenant.id, rejection.kind()),
         _ => {}
     })?;
     if created.replayed {
@@ -225,13 +224,7 @@ async fn estimate_export(
     caller: Caller,
     JsonBody(request): JsonBody<ExportRequest>,
 ) -> ApiResult<axum::Json<Estimate>> {
-    let Some(_slot) = state.limits.estimate_slot(&caller.tenant.id) else {
-        state.limits.refusals.count(&caller.tenant.id, RefusalKind::Concurrency);
-        return Err(ApiError::busy(
-            "estimate-in-progress",
-            "one of the tenant's estimates is running; retry when it is done",
-        ));
-    };
+    let _slot = state.limits.estimate_slot(&caller.tenant.id)?;
     let cluster = crate::feeds::system_identifier(&state.pool).await?;
     let feed = FeedContext { keys: &state.links, cluster: &cluster, now: state.clock.now() };
     Ok(axum::Json(exports::estimate::estimate(&state.pool, &caller, &request, &feed).await?))
@@ -447,14 +440,7 @@ impl From<ExportError> for ApiError {
             }
             ExportError::CursorExpired(_) => ApiError::new(StatusCode::GONE, "cursor-expired", detail),
             ExportError::RowFilterChanged => ApiError::new(StatusCode::FORBIDDEN, "row-filter-changed", detail),
-            ExportError::QuotaExceeded { limit_name, limit, .. } => {
-                let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "quota-exceeded", detail)
-                    .with("limit", limit_name)
-                    .with("max", limit);
-                // A queued export starts (and leaves the queue) within seconds to minutes.
-                e.retry_after_seconds = Some(30);
-                e
-            }
+            ExportError::Rejected(rejection) => rejection.into(),
             ExportError::IncrementalInProgress => {
                 ApiError::new(StatusCode::CONFLICT, "incremental-in-progress", detail)
             }

@@ -25,14 +25,7 @@ impl FromRequestParts<AppState> for Caller {
 /// the route or credential (bearer token, download link, dashboard session). A refusal is a 429
 /// that costs no database work (it is counted in memory).
 pub fn admit(state: &AppState, caller: &Caller) -> Result<(), ApiError> {
-    let Err(wait) = state.limits.check_api(caller) else { return Ok(()) };
-    let mut e = ApiError::new(
-        StatusCode::TOO_MANY_REQUESTS,
-        "rate-limited",
-        "too many requests: the tenant's api_requests_per_second is exceeded",
-    );
-    e.retry_after_seconds = Some(wait.as_secs_f64().ceil().max(1.0) as u64);
-    Err(e)
+    Ok(state.limits.check_api(caller)?)
 }
 
 /// The caller named by the `Authorization: Bearer` header, or a 401.

@@ -28,10 +28,9 @@ pub async fn bound_per_tenant(State(state): State<AppState>, request: Request, n
     let Some(tenant) = requesting_tenant(&state, &request) else {
         return next.run(request).await;
     };
-    let Some(_slot) = state.limits.request_slot(&tenant) else {
-        state.limits.refusals.count(&tenant, crate::quota::RefusalKind::Concurrency);
-        let detail = "the tenant's max_concurrent_requests are in progress; retry when one has finished";
-        return ApiError::busy("too-many-concurrent-requests", detail).into_response();
+    let _slot = match state.limits.request_slot(&tenant) {
+        Ok(slot) => slot,
+        Err(rejection) => return ApiError::from(rejection).into_response(),
     };
     next.run(request).await
 }

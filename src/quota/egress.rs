@@ -4,6 +4,7 @@
 //! records the audit event, so concurrent downloads cannot both slip in and the cost does not
 //! grow with the number of downloads.
 
+use super::Rejection;
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -18,7 +19,7 @@ pub async fn admit_download(
     tenant: &Tenant,
     event: AuditEvent<'_>,
     now: OffsetDateTime,
-) -> sqlx::Result<Result<(), Duration>> {
+) -> sqlx::Result<Result<(), Rejection>> {
     let midnight = now.replace_time(time::Time::MIDNIGHT);
     let mut tx = pool.begin().await?;
     crate::quota::lock_tenant(&mut tx, tenant.id.as_str()).await?;
@@ -37,7 +38,8 @@ pub async fn admit_download(
     if admitted.rows_affected() == 0 {
         let tomorrow = midnight + time::Duration::days(1);
         // Rounded up: retrying after this many seconds lands in the next day.
-        return Ok(Err(Duration::from_secs((tomorrow - now).whole_seconds().max(0) as u64 + 1)));
+        let retry_after = Duration::from_secs((tomorrow - now).whole_seconds().max(0) as u64 + 1);
+        return Ok(Err(Rejection::Egress { retry_after }));
     }
     insert(&mut *tx, &event).await?;
     tx.commit().await?;

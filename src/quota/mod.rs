@@ -6,12 +6,14 @@ pub mod history;
 pub mod partners;
 mod rate;
 pub mod refusals;
+mod rejection;
 mod scan;
 mod usage;
 
 pub use egress::admit_download;
 pub use rate::{RateLimits, run_housekeeping};
 pub use refusals::{RefusalKind, Refusals};
+pub use rejection::Rejection;
 pub use scan::ScanLimits;
 pub use usage::{Counters, Queue, Usage, usage};
 

@@ -16,7 +16,8 @@ use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use sqlx::PgPool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::refusals::{RefusalKind, Refusals};
+use super::refusals::Refusals;
+use super::rejection::Rejection;
 use crate::auth::Caller;
 use crate::tenants::{Registry, TenantId};
 
@@ -81,28 +82,42 @@ impl RateLimits {
         self.api.read().expect("not poisoned").clone()
     }
 
-    /// A slot for one streaming download of the tenant, held until the body ends; `None` when
-    /// `max_concurrent_downloads` are streaming already.
-    pub fn download_slot(&self, tenant: &TenantId) -> Option<OwnedSemaphorePermit> {
-        self.downloads.get(tenant)?.clone().try_acquire_owned().ok()
+    /// Counts a refusal (in memory, flushed about every second) and returns it.
+    pub fn refuse(&self, tenant: &TenantId, rejection: Rejection) -> Rejection {
+        self.refusals.count(tenant, rejection.kind());
+        rejection
     }
 
-    /// Takes one request from the caller's bucket; `Err(wait)` when it is empty (the refusal is
-    /// counted in memory).
-    pub fn check_api(&self, caller: &Caller) -> Result<(), Duration> {
+    /// One permit of `slots`, or the (counted) `rejection` when none is free.
+    fn slot(
+        &self,
+        slots: &HashMap<TenantId, Arc<Semaphore>>,
+        tenant: &TenantId,
+        rejection: Rejection,
+    ) -> Result<OwnedSemaphorePermit, Rejection> {
+        let permit = slots.get(tenant).and_then(|s| s.clone().try_acquire_owned().ok());
+        permit.ok_or_else(|| self.refuse(tenant, rejection))
+    }
+
+    /// A slot for one streaming download of the tenant, held until the body ends.
+    pub fn download_slot(&self, tenant: &TenantId) -> Result<OwnedSemaphorePermit, Rejection> {
+        self.slot(&self.downloads, tenant, Rejection::Downloads)
+    }
+
+    /// Takes one request from the caller's bucket (partners each have their own, admins share one).
+    pub fn check_api(&self, caller: &Caller) -> Result<(), Rejection> {
         let buckets = self.buckets();
         let Some(limiter) = buckets.get(&caller.tenant.id) else { return Ok(()) };
         let key = if caller.principal.is_admin() { String::new() } else { caller.principal.id.to_string() };
         limiter.check_key(&key).map_err(|not_until| {
-            self.refusals.count(&caller.tenant.id, RefusalKind::Rate);
-            not_until.wait_time_from(self.clock.now())
+            let retry_after = not_until.wait_time_from(self.clock.now());
+            self.refuse(&caller.tenant.id, Rejection::Rate { retry_after })
         })
     }
 
-    /// A slot for one request of the tenant in progress; `None` when `max_concurrent_requests`
-    /// are in progress already.
-    pub fn request_slot(&self, tenant: &TenantId) -> Option<OwnedSemaphorePermit> {
-        self.requests.get(tenant)?.clone().try_acquire_owned().ok()
+    /// A slot for one request of the tenant in progress (`max_concurrent_requests`).
+    pub fn request_slot(&self, tenant: &TenantId) -> Result<OwnedSemaphorePermit, Rejection> {
+        self.slot(&self.requests, tenant, Rejection::Concurrency)
     }
 
     /// The tenants these limits are for.
@@ -111,9 +126,9 @@ impl RateLimits {
     }
 
     /// The tenant's one slot for an estimate (each reads up to a few MiB of the record store),
-    /// so a tenant's estimates cost at most one census at a time; `None` while one runs.
-    pub fn estimate_slot(&self, tenant: &TenantId) -> Option<OwnedSemaphorePermit> {
-        self.estimates.get(tenant)?.clone().try_acquire_owned().ok()
+    /// so a tenant's estimates cost at most one census at a time.
+    pub fn estimate_slot(&self, tenant: &TenantId) -> Result<OwnedSemaphorePermit, Rejection> {
+        self.slot(&self.estimates, tenant, Rejection::EstimateInProgress)
     }
 
     /// Forgets idle keys (call periodically: the key maps would otherwise only grow).
@@ -184,8 +199,9 @@ mod tests {
         let acme = TenantId::parse("acme").unwrap();
         let max = registry.get("acme").unwrap().quota.max_concurrent_downloads as usize;
         let held: Vec<_> = (0..max).map(|_| limits.download_slot(&acme).expect("a slot")).collect();
-        assert!(limits.download_slot(&acme).is_none(), "one more is refused");
+        assert_eq!(limits.download_slot(&acme).err(), Some(Rejection::Downloads), "one more is refused");
+        assert_eq!(limits.refusals.unflushed(&acme, super::super::RefusalKind::Downloads), 1, "and counted");
         drop(held);
-        assert!(limits.download_slot(&acme).is_some(), "slots return when downloads end");
+        assert!(limits.download_slot(&acme).is_ok(), "slots return when downloads end");
     }
 }
