@@ -65,10 +65,11 @@ async fn clean(pool: &PgPool, store: &ArtifactStore, now: OffsetDateTime) -> any
     .context("expiring exports")?;
     report.expired = expired.len() as u64;
 
-    let ended: Vec<(Uuid, String, String)> = sqlx::query_as(
+    let ended: Vec<(Uuid, String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT id, tenant, lower(state) FROM export_jobs
-         WHERE state IN ('CANCELLED', 'FAILED', 'REVOKED', 'EXPIRED') AND files_deleted_at IS NULL",
-    )
+         WHERE state IN {} AND files_deleted_at IS NULL",
+        crate::exports::states::ENDED_WITHOUT_FILES
+    )))
     .fetch_all(pool)
     .await?;
     for (id, tenant, reason) in ended {

@@ -6,6 +6,7 @@ use serde::Serialize;
 use sqlx::PgPool;
 
 use super::incremental::{self, FeedContext};
+use super::states::PUBLISHED;
 use super::{ExportError, ExportRequest, ExportSpec, Mode, with_op};
 use crate::auth::Caller;
 use crate::records::Record;
@@ -174,14 +175,14 @@ async fn duration(pool: &PgPool, caller: &Caller, spec: &ExportSpec, rows: u64) 
     let tenant = caller.tenant.id.as_str();
     // Whole seconds of running (claim to publish) and rows of recent exports big enough to say
     // something, of this dataset if there are any, else of any of the tenant's datasets.
-    let measured: Option<(bool, f64, f64)> = sqlx::query_as(
+    let measured: Option<(bool, f64, f64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT same_dataset, sum(rows_done)::float8, sum(extract(epoch FROM finished_at - started_at))::float8
          FROM (SELECT dataset = $3 AS same_dataset, rows_done, started_at, finished_at FROM export_jobs
-               WHERE tenant = $1 AND mode = $2 AND state IN ('SUCCEEDED', 'EXPIRED', 'REVOKED')
+               WHERE tenant = $1 AND mode = $2 AND state IN {PUBLISHED}
                  AND rows_done >= $4 AND started_at IS NOT NULL AND finished_at > now() - interval '30 days'
                ORDER BY finished_at DESC LIMIT 200) recent
-         GROUP BY same_dataset ORDER BY same_dataset DESC LIMIT 1",
-    )
+         GROUP BY same_dataset ORDER BY same_dataset DESC LIMIT 1"
+    )))
     .bind(tenant)
     .bind(spec.mode.as_str())
     .bind(spec.dataset.as_str())

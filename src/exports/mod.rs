@@ -19,7 +19,7 @@ pub use incremental::{FeedContext, store_cursor};
 pub use layout::{Layout, Segment, ShardRecord, last_shard, shards};
 pub use manifest::{MANIFEST_VERSION, Manifest, ManifestFile, ManifestShard, shard_name};
 pub use request::{DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode, OP_COLUMN, with_op};
-pub use state::ExportState;
+pub use state::{ExportState, sql as states};
 
 use crate::auth::Caller;
 use crate::writers::{Format, sha256_hex};

@@ -14,6 +14,7 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use super::shard_plan::{HAS_LIVE_WRITERS, NEEDS_COORDINATOR, Progress, ShardLease};
+use crate::exports::states::UNFINISHED;
 use crate::exports::{ExportJob, ExportState, JOB_COLUMNS, ShardRecord};
 
 /// The right to work on one job, for one generation.
@@ -78,7 +79,7 @@ pub async fn claim(
              GROUP BY j.tenant),
          waiting AS (
              SELECT DISTINCT j.tenant FROM export_jobs j
-             WHERE j.state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
+             WHERE j.state IN {UNFINISHED}
                AND (j.lease_expires_at IS NULL OR j.lease_expires_at < now()) AND {NEEDS_COORDINATOR}
                AND j.tenant <> ALL($5::text[])),
          ranked AS (
@@ -89,7 +90,7 @@ pub async fn claim(
              LEFT JOIN scheduler_turns t ON t.tenant = w.tenant
              CROSS JOIN LATERAL (
                  SELECT j.id, j.created_at FROM export_jobs j
-                 WHERE j.tenant = w.tenant AND j.state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
+                 WHERE j.tenant = w.tenant AND j.state IN {UNFINISHED}
                    AND (j.lease_expires_at IS NULL OR j.lease_expires_at < now()) AND {NEEDS_COORDINATOR}
                    -- A job whose shards are being written already counts as running.
                    AND (coalesce(b.running, 0) < coalesce(l.max_running, 1) OR {HAS_LIVE_WRITERS})
@@ -97,7 +98,7 @@ pub async fn claim(
                  LIMIT 4) c),
          candidate AS (
              SELECT j.id, j.yielded FROM export_jobs j JOIN ranked r ON r.id = j.id
-             WHERE j.state IN ('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')
+             WHERE j.state IN {UNFINISHED}
                AND (j.lease_expires_at IS NULL OR j.lease_expires_at < now())
              ORDER BY r.turn
              LIMIT 1

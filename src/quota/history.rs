@@ -93,14 +93,21 @@ pub async fn record(pool: &PgPool, tenants: &[&str]) -> sqlx::Result<bool> {
         return Ok(false);
     }
     for (hours_ago, sample_gauges) in [(1, false), (0, true)] {
-        sqlx::query(RECORD_HOUR).bind(hours_ago).bind(tenants).bind(sample_gauges).execute(&mut *tx).await?;
+        sqlx::query(sqlx::AssertSqlSafe(record_hour_sql()))
+            .bind(hours_ago)
+            .bind(tenants)
+            .bind(sample_gauges)
+            .execute(&mut *tx)
+            .await?;
     }
     tx.commit().await?;
     Ok(true)
 }
 
 /// One hour (`$1` hours before the current one) of tenants `$2`; `$3`: sample the gauges now.
-const RECORD_HOUR: &str = "
+fn record_hour_sql() -> String {
+    format!(
+        "
 WITH span AS (SELECT date_trunc('hour', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' - $1 * interval '1 hour' AS hour),
 tenants AS (SELECT DISTINCT unnest($2::text[]) AS tenant),
 egress AS (
@@ -109,14 +116,14 @@ egress AS (
     GROUP BY a.tenant),
 finished AS (
     SELECT j.tenant,
-           coalesce(sum(j.rows_done) FILTER (WHERE j.state IN ('SUCCEEDED', 'EXPIRED', 'REVOKED')), 0)::bigint AS rows,
-           count(*) FILTER (WHERE j.state IN ('SUCCEEDED', 'EXPIRED', 'REVOKED'))::int AS succeeded,
+           coalesce(sum(j.rows_done) FILTER (WHERE j.state IN {published}), 0)::bigint AS rows,
+           count(*) FILTER (WHERE j.state IN {published})::int AS succeeded,
            count(*) FILTER (WHERE j.state = 'FAILED')::int AS failed,
            count(*) FILTER (WHERE j.state = 'CANCELLED')::int AS cancelled,
            percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM j.finished_at - j.created_at))
-               FILTER (WHERE j.state IN ('SUCCEEDED', 'EXPIRED', 'REVOKED')) AS p50,
+               FILTER (WHERE j.state IN {published}) AS p50,
            percentile_cont(0.95) WITHIN GROUP (ORDER BY extract(epoch FROM j.finished_at - j.created_at))
-               FILTER (WHERE j.state IN ('SUCCEEDED', 'EXPIRED', 'REVOKED')) AS p95
+               FILTER (WHERE j.state IN {published}) AS p95
     FROM export_jobs j, span
     WHERE j.finished_at >= span.hour AND j.finished_at < span.hour + interval '1 hour' AND j.tenant = ANY($2)
     GROUP BY j.tenant),
@@ -137,7 +144,7 @@ INSERT INTO tenant_usage_hours AS h (tenant, hour, egress_bytes, rows_exported, 
     exports_cancelled, export_seconds_p50, export_seconds_p95, refusals, stored_bytes_max, queued_max, running_max,
     oldest_queued_seconds_max)
 SELECT t.tenant, span.hour, coalesce(e.bytes, 0), coalesce(f.rows, 0), coalesce(f.succeeded, 0), coalesce(f.failed, 0),
-       coalesce(f.cancelled, 0), f.p50, f.p95, coalesce(r.refusals, '{}'), coalesce(g.stored, 0), coalesce(g.queued, 0),
+       coalesce(f.cancelled, 0), f.p50, f.p95, coalesce(r.refusals, '{{}}'), coalesce(g.stored, 0), coalesce(g.queued, 0),
        coalesce(g.running, 0), coalesce(g.oldest, 0)
 FROM tenants t CROSS JOIN span
 LEFT JOIN egress e ON e.tenant = t.tenant LEFT JOIN finished f ON f.tenant = t.tenant
@@ -151,7 +158,10 @@ ON CONFLICT ON CONSTRAINT tenant_usage_hours_pkey DO UPDATE SET
     stored_bytes_max = greatest(h.stored_bytes_max, EXCLUDED.stored_bytes_max),
     queued_max = greatest(h.queued_max, EXCLUDED.queued_max),
     running_max = greatest(h.running_max, EXCLUDED.running_max),
-    oldest_queued_seconds_max = greatest(h.oldest_queued_seconds_max, EXCLUDED.oldest_queued_seconds_max)";
+    oldest_queued_seconds_max = greatest(h.oldest_queued_seconds_max, EXCLUDED.oldest_queued_seconds_max)",
+        published = crate::exports::states::PUBLISHED
+    )
+}
 
 /// The tenant's buckets from `from` to `to` (bucket starts, `to` excluded), every bucket present
 /// (zeros where nothing was recorded).

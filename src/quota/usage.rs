@@ -71,10 +71,11 @@ pub async fn usage(pool: &PgPool, tenant: &Tenant, unflushed: &Refusals, now: Of
     .fetch_one(pool)
     .await?;
     let egress = super::egress::egress_today(pool, id, now).await?;
-    let rows_today: i64 = sqlx::query_scalar(
-        "SELECT coalesce(sum(rows_done), 0)::bigint FROM export_jobs WHERE tenant = $1 AND state IN ('SUCCEEDED', 'EXPIRED', 'REVOKED')
+    let rows_today: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT coalesce(sum(rows_done), 0)::bigint FROM export_jobs WHERE tenant = $1 AND state IN {}
            AND finished_at >= $2",
-    )
+        crate::exports::states::PUBLISHED
+    )))
     .bind(id)
     .bind(midnight)
     .fetch_one(pool)
