@@ -53,6 +53,20 @@ impl ExportState {
         !matches!(self, ExportState::Queued | ExportState::Running | ExportState::CancelRequested)
     }
 
+    /// Whether a job in this state may move to `to`: the state machine above, in one place (the
+    /// database enforces the same table, migration `state_transitions.sql`).
+    pub fn may_become(self, to: ExportState) -> bool {
+        use ExportState::*;
+        self == to
+            || matches!(
+                (self, to),
+                (Queued, Running | CancelRequested)
+                    | (Running, Succeeded | Failed | CancelRequested)
+                    | (CancelRequested, Cancelled)
+                    | (Succeeded, Expired | Revoked)
+            )
+    }
+
     /// The job ran to publication: its rows were exported (its files may be gone since).
     pub fn was_published(self) -> bool {
         matches!(self, ExportState::Succeeded | ExportState::Expired | ExportState::Revoked)

@@ -752,3 +752,38 @@ async fn a_tenant_runs_one_estimate_at_a_time_and_the_next_is_refused_at_once(po
     assert_eq!(first.await.unwrap().status(), 200);
     assert_eq!(estimate(&app, &acme, &body).await.status(), 200, "the slot came back");
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn the_database_refuses_every_transition_the_state_machine_does_not_have(pool: PgPool) {
+    use exportd::exports::ExportState;
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 5).await;
+    // A published job has every column any state needs (manifest, file, finish time).
+    let id = app.export(&app.token("acme", "alice"), &full_csv(10)).await;
+    app.drain().await;
+    for from in ExportState::ALL {
+        for to in ExportState::ALL {
+            let mut tx = app.pool.begin().await.unwrap();
+            // Put the job in `from` without asking the machine (triggers off for this statement).
+            sqlx::query("SET LOCAL session_replication_role = replica").execute(&mut *tx).await.unwrap();
+            sqlx::query("UPDATE export_jobs SET state = $2 WHERE id = $1::uuid")
+                .bind(&id)
+                .bind(from.as_str())
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            sqlx::query("SET LOCAL session_replication_role = origin").execute(&mut *tx).await.unwrap();
+            let moved = sqlx::query("UPDATE export_jobs SET state = $2 WHERE id = $1::uuid")
+                .bind(&id)
+                .bind(to.as_str())
+                .execute(&mut *tx)
+                .await;
+            // Another constraint may still refuse the row (SUCCEEDED needs a manifest): only
+            // EXD02 is the state machine saying no.
+            let refused = moved.as_ref().err().and_then(|e| e.as_database_error()).and_then(|d| d.code());
+            let machine_said_no = refused.as_deref() == Some("EXD02");
+            assert_eq!(machine_said_no, !from.may_become(to), "{from:?} → {to:?}: {moved:?}");
+            tx.rollback().await.unwrap();
+        }
+    }
+}
