@@ -57,7 +57,7 @@ async fn download_file(
     method: Method,
     headers: HeaderMap,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
-) -> Response {
+) -> ApiResult<Response> {
     serve(&state, &id, Object::File, query.token.as_deref(), &method, &headers, peer).await
 }
 
@@ -75,25 +75,13 @@ async fn download_shard(
     method: Method,
     headers: HeaderMap,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
-) -> Response {
+) -> ApiResult<Response> {
     serve(&state, &id, Object::Shard(n), query.token.as_deref(), &method, &headers, peer).await
-}
-
-async fn serve(
-    state: &AppState,
-    id: &str,
-    object: Object,
-    token: Option<&str>,
-    method: &Method,
-    headers: &HeaderMap,
-    peer: SocketAddr,
-) -> Response {
-    serve_or_refuse(state, id, object, token, method, headers, peer).await.unwrap_or_else(IntoResponse::into_response)
 }
 
 /// Authorize, find the object, decide the range; then (GET) take a download slot, read the
 /// first bytes, charge the egress quota and stream.
-async fn serve_or_refuse(
+async fn serve(
     state: &AppState,
     id: &str,
     object: Object,
