@@ -97,25 +97,22 @@ pub async fn extend(
         return Ok(Err(LeaseLost));
     }
     if let Some(shard) = shard {
+        // The job's planned rows grow by the row only if it is new: a repeated step adds nothing.
         sqlx::query(
-            "INSERT INTO export_shard_plan (export_id, shard_index, after_key, last_key, rows, done)
-             SELECT $1, $2, $3, $4, $5,
-                    EXISTS (SELECT 1 FROM export_shards s WHERE s.export_id = $1 AND s.shard_index = $2)
-             ON CONFLICT ON CONSTRAINT export_shard_plan_pkey DO NOTHING",
+            "WITH planned AS (
+                 INSERT INTO export_shard_plan (export_id, shard_index, after_key, last_key, rows, done)
+                 SELECT $1, $2, $3, $4, $5,
+                        EXISTS (SELECT 1 FROM export_shards s WHERE s.export_id = $1 AND s.shard_index = $2)
+                 ON CONFLICT ON CONSTRAINT export_shard_plan_pkey DO NOTHING
+                 RETURNING rows)
+             UPDATE export_jobs SET planned_rows = planned_rows + (SELECT coalesce(sum(rows), 0) FROM planned)
+             WHERE id = $1",
         )
         .bind(lease.job_id)
         .bind(shard.index)
         .bind(shard.after_key)
         .bind(shard.last_key)
         .bind(shard.rows)
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query(
-            "UPDATE export_jobs SET planned_rows = (SELECT coalesce(sum(rows), 0)::bigint FROM export_shard_plan
-                                                    WHERE export_id = $1)
-             WHERE id = $1",
-        )
-        .bind(lease.job_id)
         .execute(&mut *tx)
         .await?;
     }

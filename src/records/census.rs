@@ -62,8 +62,11 @@ pub async fn count(
         .await?;
     if scanned < EXACT_COUNT_LIMIT {
         let rows = matched.max(0) as u64;
-        let query = census.bind(sqlx::query_as(sqlx::AssertSqlSafe(sql.first_rows())), tenant, dataset);
-        let records = collect(query.bind(sample_rows).fetch(&mut *tx), sample_bytes).await?;
+        let mut records = Vec::new();
+        if sample_rows > 0 {
+            let query = census.bind(sqlx::query_as(sqlx::AssertSqlSafe(sql.first_rows())), tenant, dataset);
+            records = collect(query.bind(sample_rows).fetch(&mut *tx), sample_bytes).await?;
+        }
         tx.commit().await?;
         return Ok((Count { rows, low: rows, high: rows, sampled: false }, records));
     }
@@ -78,9 +81,12 @@ pub async fn count(
         .bind(SAMPLE_SEED)
         .fetch_one(&mut *tx)
         .await?;
-    let query = census.bind(sqlx::query_as(sqlx::AssertSqlSafe(sql.sampled_rows())), tenant, dataset);
-    let records =
-        collect(query.bind(percent).bind(SAMPLE_SEED).bind(sample_rows).fetch(&mut *tx), sample_bytes).await?;
+    let mut records = Vec::new();
+    if sample_rows > 0 {
+        let query = census.bind(sqlx::query_as(sqlx::AssertSqlSafe(sql.sampled_rows())), tenant, dataset);
+        let rows = query.bind(percent).bind(SAMPLE_SEED).bind(sample_rows).fetch(&mut *tx);
+        records = collect(rows, sample_bytes).await?;
+    }
     tx.commit().await?;
     Ok((ratio_estimate(pages, blocks, sum, sum_of_squares), records))
 }
