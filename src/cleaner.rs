@@ -8,8 +8,8 @@ use std::time::Duration;
 use anyhow::Context;
 use sqlx::PgPool;
 use time::OffsetDateTime;
-use uuid::Uuid;
 
+use crate::exports::{self, store};
 use crate::storage::{ArtifactStore, lifecycle};
 use crate::tenants::Registry;
 
@@ -56,29 +56,17 @@ pub async fn run_once(
 
 async fn clean(pool: &PgPool, store: &ArtifactStore, now: OffsetDateTime) -> anyhow::Result<Report> {
     let mut report = Report { ran: true, ..Report::default() };
-    let expired: Vec<(Uuid, String)> = sqlx::query_as(
-        "UPDATE export_jobs SET state = 'EXPIRED' WHERE state = 'SUCCEEDED' AND expires_at <= $1 RETURNING id, tenant",
-    )
-    .bind(now)
-    .fetch_all(pool)
-    .await
-    .context("expiring exports")?;
+    let expired = store::jobs::expire_due(pool, now).await.context("expiring exports")?;
     report.expired = expired.len() as u64;
 
-    let ended: Vec<(Uuid, String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT id, tenant, lower(state) FROM export_jobs
-         WHERE state IN {} AND files_deleted_at IS NULL",
-        crate::exports::states::ENDED_WITHOUT_FILES
-    )))
-    .fetch_all(pool)
-    .await?;
-    for (id, tenant, reason) in ended {
-        let (files, bytes) = lifecycle::delete_export_files(pool, store, &tenant, id, &reason).await?;
+    for (id, tenant, state) in store::jobs::ended_with_files(pool).await? {
+        let reason = state.as_str().to_lowercase();
+        let (files, bytes) = exports::delete_files(pool, store, &tenant, id, &reason).await?;
         if files > 0 {
             report.reclaimed.push((reason, files, bytes));
         }
     }
-    report.reclaimed.extend(lifecycle::sweep_orphans(pool, store).await?);
+    report.reclaimed.extend(lifecycle::sweep_orphans(pool, store, &exports::FileOwner(pool)).await?);
     report.reclaimed.extend(lifecycle::sweep_abandoned(pool, store).await?);
     Ok(report)
 }
@@ -99,7 +87,7 @@ async fn collect_history(
     }
     crate::feeds::gc::collect_ticks(pool, oldest).await?;
     crate::quota::refusals::collect(pool, now).await.context("collecting refusal counts")?;
-    crate::quota::history::collect(pool, now).await.context("collecting usage history")?;
+    crate::usage::history::collect(pool, now).await.context("collecting usage history")?;
     crate::webhooks::outbox::collect(pool, now, crate::webhooks::KEEP_EVENTS)
         .await
         .context("collecting webhook events")?;

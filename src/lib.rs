@@ -21,5 +21,6 @@ pub mod server;
 pub mod storage;
 pub mod telemetry;
 pub mod tenants;
+pub mod usage;
 pub mod webhooks;
 pub mod writers;

@@ -121,6 +121,8 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     handles.push(spawn_cleaner(&deps, clock.clone(), options.clean_every, &shutdown));
     handles.push(tokio::spawn(feeds::run_ticker(pool.clone(), TICK_EVERY, shutdown.clone())));
     handles.push(tokio::spawn(crate::quota::run_housekeeping(limits.clone(), pool.clone(), shutdown.clone())));
+    let tenants = limits.tenants().into_iter().map(str::to_owned).collect();
+    handles.push(tokio::spawn(crate::usage::history::run_recording(pool.clone(), tenants, shutdown.clone())));
     handles.push(tokio::spawn(webhooks::run(deliverer, clock.clone(), shutdown.clone())));
     let mut http_shutdown = shutdown.clone();
     let stopped = async move {

@@ -2,7 +2,7 @@
 
 use uuid::Uuid;
 
-use super::{ExportError, ExportJob, ExportState, Layout, get, shards};
+use super::{ExportError, ExportJob, ExportState, Layout, get};
 use crate::auth::Caller;
 
 /// A downloadable object of an export.
@@ -53,7 +53,7 @@ pub async fn open(pool: &sqlx::PgPool, caller: &Caller, id: Uuid, object: Object
         }
         gone => return Err(ExportError::Gone(gone)),
     }
-    let shards = shards(pool, id).await?;
+    let shards = super::store::shards::all(pool, id).await?;
     let extension = job.format.extension();
     let (layout, sha256, filename) = match object {
         Object::File if !job.format.spec().spliceable => {

@@ -6,7 +6,7 @@ use serde::Serialize;
 use sqlx::PgPool;
 
 use super::incremental::{self, FeedContext};
-use super::states::PUBLISHED;
+use super::store::facts;
 use super::{ExportError, ExportRequest, ExportSpec, Mode, with_op};
 use crate::auth::Caller;
 use crate::records::Record;
@@ -105,14 +105,7 @@ pub async fn store_rows(
 ) -> sqlx::Result<Option<i64>> {
     let (count, _) = census::count(pool, &caller.tenant.id, &spec.dataset, census(spec, from), 0, 0).await?;
     let rows = count.rows.min(i64::MAX as u64) as i64;
-    let stored: Option<Option<i64>> = sqlx::query_scalar(
-        "UPDATE export_jobs SET rows_estimate = coalesce(rows_estimate, $2) WHERE id = $1 RETURNING rows_estimate",
-    )
-    .bind(job_id)
-    .bind(rows)
-    .fetch_optional(pool)
-    .await?;
-    Ok(stored.flatten())
+    super::store::jobs::store_rows_estimate(pool, job_id, rows).await
 }
 
 fn census<'a>(spec: &'a ExportSpec, from: Option<&'a str>) -> Census<'a> {
@@ -175,20 +168,8 @@ async fn duration(pool: &PgPool, caller: &Caller, spec: &ExportSpec, rows: u64) 
     let tenant = caller.tenant.id.as_str();
     // Whole seconds of running (claim to publish) and rows of recent exports big enough to say
     // something, of this dataset if there are any, else of any of the tenant's datasets.
-    let measured: Option<(bool, f64, f64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT same_dataset, sum(rows_done)::float8, sum(extract(epoch FROM finished_at - started_at))::float8
-         FROM (SELECT dataset = $3 AS same_dataset, rows_done, started_at, finished_at FROM export_jobs
-               WHERE tenant = $1 AND mode = $2 AND state IN {PUBLISHED}
-                 AND rows_done >= $4 AND started_at IS NOT NULL AND finished_at > now() - interval '30 days'
-               ORDER BY finished_at DESC LIMIT 200) recent
-         GROUP BY same_dataset ORDER BY same_dataset DESC LIMIT 1"
-    )))
-    .bind(tenant)
-    .bind(spec.mode.as_str())
-    .bind(spec.dataset.as_str())
-    .bind(MIN_ROWS_FOR_RATE)
-    .fetch_optional(pool)
-    .await?;
+    let measured =
+        facts::recent_throughput(pool, tenant, spec.mode.as_str(), spec.dataset.as_str(), MIN_ROWS_FOR_RATE).await?;
     let (measured_rate, method) = match measured {
         Some((same, rows, seconds)) if seconds > 0.0 => {
             (rows / seconds, if same { "recent_exports_of_dataset" } else { "recent_exports_of_tenant" })
@@ -223,16 +204,7 @@ struct Ahead {
 }
 
 async fn work_ahead(pool: &PgPool, caller: &Caller) -> sqlx::Result<Ahead> {
-    let (exports, rows): (i64, i64) = sqlx::query_as(
-        "SELECT count(*), coalesce(sum(GREATEST(coalesce(rows_estimate, planned_rows), planned_rows) - rows_done), 0)::bigint
-         FROM export_jobs
-         WHERE tenant = $1 AND ($2 OR principal = $3) AND state IN ('QUEUED', 'RUNNING')",
-    )
-    .bind(caller.tenant.id.as_str())
-    .bind(caller.principal.is_admin())
-    .bind(caller.principal.id.as_str())
-    .fetch_one(pool)
-    .await?;
+    let (exports, rows) = facts::work_ahead(pool, caller).await?;
     Ok(Ahead { exports: exports.max(0) as u64, rows: rows.max(0) as u64 })
 }
 

@@ -4,8 +4,6 @@
 use bytes::Bytes;
 use futures_util::stream::{BoxStream, StreamExt, TryStreamExt};
 use sha2::{Digest, Sha256};
-use sqlx::PgPool;
-use uuid::Uuid;
 
 use crate::storage::{ArtifactStore, ObjectKey, StoreResult};
 use crate::writers::gzip::{FINAL_BLOCK, GZIP_HEADER, Part, trailer};
@@ -48,30 +46,6 @@ impl ShardRecord {
     pub fn key(&self) -> ObjectKey {
         ObjectKey::parse(&self.object_key).expect("object keys are validated before they are stored")
     }
-}
-
-/// The checkpointed shards of an export, in order.
-/// The SELECT list matching [`ShardRecord`].
-const SHARD_COLUMNS: &str = "shard_index, first_key, last_key, rows, bytes, sha256, object_key, \
-     head_bytes, head_crc32, head_raw_bytes, body_bytes, body_crc32, body_raw_bytes";
-
-pub async fn shards(pool: &PgPool, export_id: Uuid) -> sqlx::Result<Vec<ShardRecord>> {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {SHARD_COLUMNS} FROM export_shards WHERE export_id = $1 ORDER BY shard_index"
-    )))
-    .bind(export_id)
-    .fetch_all(pool)
-    .await
-}
-
-/// The export's last checkpoint, if any (where its next shard starts): one index probe.
-pub async fn last_shard(pool: &PgPool, export_id: Uuid) -> sqlx::Result<Option<ShardRecord>> {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {SHARD_COLUMNS} FROM export_shards WHERE export_id = $1 ORDER BY shard_index DESC LIMIT 1"
-    )))
-    .bind(export_id)
-    .fetch_optional(pool)
-    .await
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -8,6 +8,7 @@ pub mod layout;
 mod manifest;
 mod request;
 mod state;
+pub mod store;
 
 use base64::Engine;
 use serde_json::Value;
@@ -16,10 +17,11 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 pub use incremental::{FeedContext, store_cursor};
-pub use layout::{Layout, Segment, ShardRecord, last_shard, shards};
+pub use layout::{Layout, Segment, ShardRecord};
 pub use manifest::{MANIFEST_VERSION, Manifest, ManifestFile, ManifestShard, shard_name};
 pub use request::{DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode, OP_COLUMN, with_op};
 pub use state::{ExportState, sql as states};
+use store::jobs::Inserted;
 
 use crate::auth::Caller;
 use crate::writers::{Format, sha256_hex};
@@ -121,13 +123,6 @@ pub struct ExportJob {
     pub plan_complete: bool,
 }
 
-/// The SELECT list matching [`ExportJob`].
-pub(crate) const JOB_COLUMNS: &str = "id, tenant, principal, dataset, mode, format, request, request_sha256, state, \
-     watermark::text AS watermark, columns, filter, row_filter, shard_rows, created_at, started_at, finished_at, \
-     lease_generation, attempts, stalled_attempts, shards_done, rows_done, bytes_done, error_code, error_detail, manifest_sha256, \
-     file_bytes, file_sha256, expires_at, from_cursor, start_from, start_after, until_tick, rows_estimate, \
-     planned_rows, plan_complete";
-
 /// The outcome of a create: the job, and whether it already existed for this key.
 #[derive(Debug)]
 pub struct Created {
@@ -162,13 +157,8 @@ pub async fn create(
     // creates succeed however many arrive at once.
     crate::quota::lock_tenant(&mut tx, caller.tenant.id.as_str()).await?;
     // A partner also has a share of its own, so partners can never queue admins out.
-    let (queued, mine): (i64, i64) = sqlx::query_as(
-        "SELECT count(*), count(*) FILTER (WHERE principal = $2) FROM export_jobs WHERE tenant = $1 AND state = 'QUEUED'",
-    )
-    .bind(caller.tenant.id.as_str())
-    .bind(caller.principal.id.as_str())
-    .fetch_one(&mut *tx)
-    .await?;
+    let (queued, mine) =
+        store::jobs::count_queued(&mut tx, caller.tenant.id.as_str(), caller.principal.id.as_str()).await?;
     let quota = &caller.tenant.quota;
     let refusal = if queued as u64 >= u64::from(quota.max_queued_exports) {
         Some(("max_queued_exports", quota.max_queued_exports, queued))
@@ -182,40 +172,32 @@ pub async fn create(
         let rejection = crate::quota::Rejection::Queued { limit_name, limit: u64::from(limit), queued: queued as u64 };
         return Err(rejection.into());
     }
-    let inserted: Option<ExportJob> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO export_jobs (id, tenant, principal, dataset, mode, format, request, request_sha256,
-             idempotency_key, columns, filter, row_filter, shard_rows, watermark,
-             from_cursor, start_from, start_after, until_tick)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, pg_current_snapshot(), $14, $15, $16, $17)
-         ON CONFLICT ON CONSTRAINT export_jobs_idempotency_key DO NOTHING
-         RETURNING {JOB_COLUMNS}"
-    )))
-    .bind(Uuid::new_v4())
-    .bind(caller.tenant.id.as_str())
-    .bind(caller.principal.id.as_str())
-    .bind(spec.dataset.as_str())
-    .bind(spec.mode.as_str())
-    .bind(spec.format.name())
-    .bind(&canonical)
-    .bind(&request_sha256)
-    .bind(&key.0)
-    .bind(serde_json::to_value(&spec.columns).expect("serializable"))
-    .bind(Value::Object(spec.filter.clone()))
-    .bind(Value::Object(spec.row_filter.clone()))
-    .bind(spec.shard_rows as i32)
-    .bind(start.as_ref().map(|s| s.cursor.as_str()))
-    .bind(start.as_ref().map(|s| s.from.as_str()))
-    .bind(start.as_ref().and_then(|s| s.after.as_deref()))
-    .bind(start.as_ref().map(|s| s.until_tick))
-    .fetch_optional(&mut *tx)
-    .await
-    .map_err(|e| match e.as_database_error().and_then(|d| d.constraint()) {
-        Some("export_jobs_one_incremental") => ExportError::IncrementalInProgress,
-        _ => ExportError::Database(e),
-    })?;
+    let new_job = store::jobs::NewJob {
+        tenant: caller.tenant.id.as_str(),
+        principal: caller.principal.id.as_str(),
+        dataset: spec.dataset.as_str(),
+        mode: spec.mode.as_str(),
+        format: spec.format.name(),
+        request: &canonical,
+        request_sha256: &request_sha256,
+        idempotency_key: &key.0,
+        columns: serde_json::to_value(&spec.columns).expect("serializable"),
+        filter: Value::Object(spec.filter.clone()),
+        row_filter: Value::Object(spec.row_filter.clone()),
+        shard_rows: spec.shard_rows as i32,
+        from_cursor: start.as_ref().map(|s| s.cursor.as_str()),
+        start_from: start.as_ref().map(|s| s.from.as_str()),
+        start_after: start.as_ref().and_then(|s| s.after.as_deref()),
+        until_tick: start.as_ref().map(|s| s.until_tick),
+    };
+    let inserted = store::jobs::insert(&mut tx, &new_job).await?;
+    if let Inserted::IncrementalInProgress = inserted {
+        return Err(ExportError::IncrementalInProgress); // the transaction rolls back
+    }
     tx.commit().await?;
     match inserted {
-        Some(mut job) => {
+        Inserted::IncrementalInProgress => Err(ExportError::IncrementalInProgress),
+        Inserted::Job(mut job) => {
             // After the commit, so a refused create costs no census; best effort: a job without
             // an estimate only lacks an ETA until its plan is known.
             let from = start.as_ref().map(|s| s.from.as_str());
@@ -236,9 +218,9 @@ pub async fn create(
                 )
                 .await?;
             }
-            Ok(Created { job, replayed: false })
+            Ok(Created { job: *job, replayed: false })
         }
-        None => {
+        Inserted::KeyTaken => {
             let existing = find_by_key(pool, caller, key).await?.ok_or(ExportError::NotFound)?;
             replay(existing, &request_sha256)
         }
@@ -254,29 +236,13 @@ fn replay(existing: ExportJob, request_sha256: &str) -> Result<Created, ExportEr
 }
 
 async fn find_by_key(pool: &PgPool, caller: &Caller, key: &IdempotencyKey) -> sqlx::Result<Option<ExportJob>> {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {JOB_COLUMNS} FROM export_jobs WHERE tenant = $1 AND principal = $2 AND idempotency_key = $3"
-    )))
-    .bind(caller.tenant.id.as_str())
-    .bind(caller.principal.id.as_str())
-    .bind(&key.0)
-    .fetch_optional(pool)
-    .await
+    store::jobs::find_by_key(pool, caller, &key.0).await
 }
 
 /// The job if the caller may see it: admins see their tenant's jobs, partners their own.
 /// Anything else — another tenant's job, another partner's, a made-up id — is `NotFound`.
 pub async fn get(pool: &PgPool, caller: &Caller, id: Uuid) -> Result<ExportJob, ExportError> {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {JOB_COLUMNS} FROM export_jobs WHERE id = $1 AND tenant = $2 AND ($3 OR principal = $4)"
-    )))
-    .bind(id)
-    .bind(caller.tenant.id.as_str())
-    .bind(caller.principal.is_admin())
-    .bind(caller.principal.id.as_str())
-    .fetch_optional(pool)
-    .await?
-    .ok_or(ExportError::NotFound)
+    store::jobs::get(pool, caller, id).await?.ok_or(ExportError::NotFound)
 }
 
 /// A page of the caller's jobs, newest first.
@@ -294,22 +260,7 @@ pub async fn list(
     limit: u32,
 ) -> Result<Page, ExportError> {
     let after = cursor.map(decode_list_cursor).transpose()?;
-    let mut jobs: Vec<ExportJob> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {JOB_COLUMNS} FROM export_jobs
-         WHERE tenant = $1 AND ($2 OR principal = $3) AND ($4::text IS NULL OR state = $4)
-           AND ($5::timestamptz IS NULL OR (created_at, id) < ($5, $6))
-         ORDER BY created_at DESC, id DESC
-         LIMIT $7"
-    )))
-    .bind(caller.tenant.id.as_str())
-    .bind(caller.principal.is_admin())
-    .bind(caller.principal.id.as_str())
-    .bind(state.map(ExportState::as_str))
-    .bind(after.map(|(at, _)| at))
-    .bind(after.map(|(_, id)| id))
-    .bind(i64::from(limit) + 1)
-    .fetch_all(pool)
-    .await?;
+    let mut jobs = store::jobs::list(pool, caller, state, after, i64::from(limit) + 1).await?;
     let next_cursor = if jobs.len() > limit as usize {
         jobs.truncate(limit as usize);
         jobs.last().map(|j| encode_list_cursor(j.created_at, j.id))
@@ -345,26 +296,10 @@ pub enum Cancel {
 
 pub async fn cancel(pool: &PgPool, caller: &Caller, id: Uuid) -> Result<Cancel, ExportError> {
     let mut tx = pool.begin().await?;
-    // The row lock orders this against a worker's conditional publish: whichever commits
-    // first wins, and the other sees the new state.
-    let job: ExportJob = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {JOB_COLUMNS} FROM export_jobs WHERE id = $1 AND tenant = $2 AND ($3 OR principal = $4) FOR UPDATE"
-    )))
-    .bind(id)
-    .bind(caller.tenant.id.as_str())
-    .bind(caller.principal.is_admin())
-    .bind(caller.principal.id.as_str())
-    .fetch_optional(&mut *tx)
-    .await?
-    .ok_or(ExportError::NotFound)?;
+    let job = store::jobs::lock(&mut tx, caller, id).await?.ok_or(ExportError::NotFound)?;
     match job.state {
         ExportState::Queued | ExportState::Running => {
-            let job: ExportJob = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-                "UPDATE export_jobs SET state = 'CANCEL_REQUESTED' WHERE id = $1 RETURNING {JOB_COLUMNS}"
-            )))
-            .bind(id)
-            .fetch_one(&mut *tx)
-            .await?;
+            let job = store::jobs::request_cancel(&mut tx, id).await?.ok_or(ExportError::NotFound)?;
             tx.commit().await?;
             Ok(Cancel::Requested(job))
         }
@@ -386,14 +321,7 @@ pub async fn revoke(
     caller: &Caller,
     id: Uuid,
 ) -> Result<Revoke, ExportError> {
-    let revoked: Option<ExportJob> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "UPDATE export_jobs SET state = 'REVOKED' WHERE id = $1 AND tenant = $2 AND state = 'SUCCEEDED'
-         RETURNING {JOB_COLUMNS}"
-    )))
-    .bind(id)
-    .bind(caller.tenant.id.as_str())
-    .fetch_optional(pool)
-    .await?;
+    let revoked = store::jobs::revoke(pool, caller.tenant.id.as_str(), id).await?;
     let Some(job) = revoked else {
         let job = get(pool, caller, id).await?;
         return match job.state {
@@ -402,7 +330,7 @@ pub async fn revoke(
         };
     };
     // Failing here leaves the files to the cleaner, which deletes the files of every REVOKED job.
-    if let Err(e) = crate::storage::lifecycle::delete_export_files(pool, store, &job.tenant, job.id, "revoked").await {
+    if let Err(e) = delete_files(pool, store, &job.tenant, job.id, "revoked").await {
         tracing::error!(export = %job.id, error = format!("{e:#}"), "revoked, but deleting files failed; the cleaner will retry");
     }
     Ok(Revoke::Revoked(job))
@@ -418,12 +346,41 @@ pub async fn manifest(pool: &PgPool, caller: &Caller, id: Uuid) -> Result<(Vec<u
         }
         gone => return Err(ExportError::Gone(gone)),
     }
-    let (bytes, sha256): (Vec<u8>, String) =
-        sqlx::query_as("SELECT manifest, manifest_sha256 FROM export_jobs WHERE id = $1 AND state = 'SUCCEEDED'")
-            .bind(id)
-            .fetch_one(pool)
-            .await?;
+    let Some((bytes, sha256)) = store::jobs::manifest(pool, id).await? else {
+        // Revoked or expired since the read above.
+        return Err(ExportError::Gone(get(pool, caller, id).await?.state));
+    };
     Ok((bytes, sha256))
+}
+
+/// Deletes the export's files (storage records what was reclaimed and why), then marks them gone
+/// so they no longer count towards the tenant's stored bytes. Idempotent.
+pub async fn delete_files(
+    pool: &PgPool,
+    store: &crate::storage::ArtifactStore,
+    tenant: &str,
+    id: Uuid,
+    reason: &str,
+) -> anyhow::Result<(u64, u64)> {
+    let deleted = crate::storage::lifecycle::delete_export_files(pool, store, tenant, id, reason).await?;
+    store::jobs::mark_files_deleted(pool, id).await?;
+    Ok(deleted)
+}
+
+/// Tells storage's orphan sweep which files exports still need.
+pub struct FileOwner<'a>(pub &'a PgPool);
+
+impl crate::storage::lifecycle::Owner for FileOwner<'_> {
+    async fn in_use(&self, tenant: &str, id: Uuid) -> sqlx::Result<Option<crate::storage::lifecycle::InUse>> {
+        let Some(state) = store::jobs::state(self.0, tenant, id).await? else { return Ok(None) };
+        let referenced = store::shards::object_keys(self.0, id).await?;
+        let writing = if state.is_terminal() {
+            Default::default()
+        } else {
+            store::shards::attempts_being_written(self.0, id).await?
+        };
+        Ok(Some(crate::storage::lifecycle::InUse { referenced, writing }))
+    }
 }
 
 #[cfg(test)]

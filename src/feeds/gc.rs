@@ -2,10 +2,10 @@
 //! tombstone window, and the feed windows and ticks before it — never a version that a queued or
 //! running export still reads.
 
-use crate::exports::states::UNFINISHED;
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
+use crate::exports::store::facts;
 use crate::tenants::Tenant;
 
 const BATCH: i64 = 10_000;
@@ -29,14 +29,7 @@ pub async fn collect(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sql
             .fetch_optional(pool)
             .await?;
     let Some((horizon_tick, horizon)) = horizon else { return Ok(Collected::default()) };
-    let live: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT watermark::text FROM export_jobs WHERE tenant = $1 AND state IN {UNFINISHED}
-         UNION ALL
-         SELECT start_from FROM export_jobs WHERE tenant = $1 AND start_from IS NOT NULL AND state IN {UNFINISHED}"
-    )))
-    .bind(tenant.id.as_str())
-    .fetch_all(pool)
-    .await?;
+    let live = facts::live_snapshots(pool, tenant.id.as_str()).await?;
     let mut collected = Collected::default();
     loop {
         // A closed version is dead once its closing transaction is visible to the horizon and to
@@ -68,15 +61,14 @@ pub async fn collect(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sql
     // Windows before the horizon, unless a live incremental export may still be reading its chain.
     // A window's keys go with it (they have no foreign key: checking one per key made cutting
     // a window of a million keys three times slower).
-    let windows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "WITH gone AS (
-             DELETE FROM feed_windows WHERE tenant = $1 AND to_tick < $2
-               AND NOT EXISTS (SELECT 1 FROM export_jobs WHERE tenant = $1 AND start_from IS NOT NULL
-                                 AND state IN {UNFINISHED})
-             RETURNING id),
+    if facts::incremental_unfinished(pool, tenant.id.as_str()).await? {
+        return Ok(collected);
+    }
+    let windows: i64 = sqlx::query_scalar(
+        "WITH gone AS (DELETE FROM feed_windows WHERE tenant = $1 AND to_tick < $2 RETURNING id),
          keys AS (DELETE FROM feed_window_keys k USING gone WHERE k.window_id = gone.id)
-         SELECT count(*) FROM gone"
-    )))
+         SELECT count(*) FROM gone",
+    )
     .bind(tenant.id.as_str())
     .bind(horizon_tick)
     .fetch_one(pool)

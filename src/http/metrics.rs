@@ -23,11 +23,7 @@ pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> ApiRe
             return Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "give the metrics token"));
         }
     }
-    let rows: Vec<(String, String, i64, Option<OffsetDateTime>)> = sqlx::query_as(
-        "SELECT tenant, state, count(*), min(coalesce(started_at, created_at)) FROM export_jobs GROUP BY tenant, state",
-    )
-    .fetch_all(&state.pool)
-    .await?;
+    let rows = crate::exports::store::facts::by_tenant_and_state(&state.pool).await?;
     let now = OffsetDateTime::now_utc();
     for tenant in state.registry.tenants() {
         for export_state in ExportState::ALL {

@@ -12,8 +12,8 @@ use super::error::{ApiError, ApiResult};
 use super::extract::Query;
 use super::state::AppState;
 use crate::auth::Caller;
-use crate::quota::history::{self, Granularity, Point};
-use crate::quota::{self, Usage};
+use crate::usage::history::{self, Granularity, Point};
+use crate::usage::{self, Usage};
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new().routes(routes!(usage)).routes(routes!(usage_history))
@@ -31,7 +31,7 @@ async fn usage(State(state): State<AppState>, caller: Caller) -> ApiResult<axum:
 
 /// The usage report, with the refusals this process counted and has not flushed yet.
 pub(super) async fn tenant_usage(state: &AppState, tenant: &crate::tenants::Tenant) -> sqlx::Result<Usage> {
-    quota::usage(&state.pool, tenant, &state.limits.refusals, state.clock.now()).await
+    usage::usage(&state.pool, tenant, &state.limits.refusals, state.clock.now()).await
 }
 
 #[derive(Deserialize, IntoParams)]

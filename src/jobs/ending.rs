@@ -4,8 +4,8 @@
 use anyhow::Context;
 
 use super::WorkerDeps;
-use super::fenced::{self, Fence, LeaseLost, Refused};
 use super::plan::Plan;
+use crate::exports::store::lease::{self, Fence, LeaseLost, Refused};
 use crate::exports::{ExportJob, ExportState};
 use crate::quota::{self, RefusalKind};
 use crate::tenants::TenantId;
@@ -60,7 +60,7 @@ pub(super) async fn fail(
     detail: &str,
 ) -> anyhow::Result<Result<(), LeaseLost>> {
     let failed =
-        fenced::finish(&deps.pool, fence, ExportState::Running, ExportState::Failed, Some((code, detail))).await?;
+        lease::finish(&deps.pool, fence, ExportState::Running, ExportState::Failed, Some((code, detail))).await?;
     if failed.is_ok() {
         delete_files(deps, job, "failed").await?;
         tracing::warn!(export = %job.id, code, "export failed");
@@ -70,7 +70,7 @@ pub(super) async fn fail(
 
 /// Only after the job's terminal state is committed under our lease: no newer attempt exists.
 pub(super) async fn delete_files(deps: &WorkerDeps, job: &ExportJob, reason: &str) -> anyhow::Result<()> {
-    crate::storage::lifecycle::delete_export_files(&deps.pool, &deps.store, &job.tenant, job.id, reason)
+    crate::exports::delete_files(&deps.pool, &deps.store, &job.tenant, job.id, reason)
         .await
         .context("deleting export files")?;
     Ok(())

@@ -5,9 +5,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::WorkerDeps;
-use super::fenced::{self, Lease, LeaseLost};
-use super::shard_plan::{self, ShardLease};
 use crate::exports::ExportState;
+use crate::exports::store::lease::{self, Lease, LeaseLost};
+use crate::exports::store::plan::{self as shard_plan, ShardLease};
 
 pub(super) struct Heartbeat {
     deps: WorkerDeps,
@@ -36,7 +36,7 @@ impl Heartbeat {
         let ttl = self.deps.config.lease_ttl;
         let mut state = None;
         if let Some(job) = self.job {
-            match fenced::heartbeat(&self.deps.pool, job, ttl).await? {
+            match lease::heartbeat(&self.deps.pool, job, ttl).await? {
                 Ok(s) => state = Some(s),
                 Err(lost) => return Ok(Err(lost)),
             }

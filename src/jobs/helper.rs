@@ -6,13 +6,13 @@ use tracing::Instrument;
 
 use super::WorkerDeps;
 use super::ending::{self, authorized};
-use super::fenced::{Fence, LeaseLost};
 use super::heartbeat::Heartbeat;
 use super::plan::Plan;
 use super::runner::Step;
-use super::shard_plan::{self, PlannedShard, ShardLease};
 use super::shard_task::{ShardTask, Written};
 use crate::exports::ExportJob;
+use crate::exports::store::lease::{Fence, LeaseLost};
+use crate::exports::store::plan::{self as shard_plan, PlannedShard, ShardLease};
 
 /// Takes a free planned shard, if any, and writes it. `None`: nothing to help with.
 pub async fn help(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Option<Step>> {

@@ -4,13 +4,11 @@
 //! PostgreSQL alone.
 
 mod ending;
-mod fenced;
 mod heartbeat;
 mod helper;
 mod plan;
 mod runner;
 mod shard;
-mod shard_plan;
 mod shard_task;
 mod source;
 
@@ -21,7 +19,7 @@ use sqlx::PgPool;
 use tokio::sync::watch;
 use tracing::Instrument;
 
-pub use fenced::{Lease, LeaseLost};
+pub use crate::exports::store::lease::{Lease, LeaseLost};
 pub use runner::{ClaimedExport, Step};
 
 use crate::links::LinkKeys;
@@ -179,7 +177,7 @@ pub async fn drain(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Vec<Ste
                 }
             }
             // Another worker is planning an export whose shards this one can help write.
-            Outcome::Idle if shard_plan::being_planned(&deps.pool).await? => {
+            Outcome::Idle if crate::exports::store::plan::being_planned(&deps.pool).await? => {
                 tokio::time::sleep(deps.config.poll_interval / 10).await;
             }
             // A throttled export waits for its tenant's budget: not done yet.

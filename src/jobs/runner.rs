@@ -6,11 +6,11 @@ use anyhow::Context;
 
 use super::WorkerDeps;
 use super::ending::{self, authorized};
-use super::fenced::{self, Fence, Lease, LeaseLost, Publication, Refused};
 use super::heartbeat::Heartbeat;
 use super::plan::Plan;
-use super::shard_plan::{self, NewShard, PlannedShard};
 use super::shard_task::{ShardTask, Written};
+use crate::exports::store::lease::{self, Fence, Lease, LeaseLost, Publication, Refused};
+use crate::exports::store::plan::{self as shard_plan, NewShard, PlannedShard};
 use crate::exports::{
     self, ExportJob, ExportState, Layout, Manifest, ManifestFile, ManifestShard, ShardRecord, shard_name,
 };
@@ -97,10 +97,10 @@ impl ClaimedExport {
         let limits: Vec<(String, i32)> =
             deps.registry.tenants().map(|t| (t.id.to_string(), t.quota.max_running_exports as i32)).collect();
         let resting = deps.scan.resting().tenants;
-        let claimed = fenced::claim(&deps.pool, worker_id, deps.config.lease_ttl, &limits, &resting)
+        let claimed = lease::claim(&deps.pool, worker_id, deps.config.lease_ttl, &limits, &resting)
             .await
             .context("claiming a job")?;
-        let Some(fenced::Claimed { job, was_yielded }) = claimed else {
+        let Some(lease::Claimed { job, was_yielded }) = claimed else {
             return Ok(None);
         };
         let lease = Lease { job_id: job.id, generation: job.lease_generation };
@@ -110,7 +110,7 @@ impl ClaimedExport {
         tracing::info!(export = %job.id, tenant = %job.tenant, generation = lease.generation, attempt = job.attempts, "claimed export");
         let plan = Plan::from_job(&job)?;
         // Files of a job given back cleanly between shards need no second look.
-        let to_verify = if was_yielded { Vec::new() } else { exports::shards(&deps.pool, job.id).await? };
+        let to_verify = if was_yielded { Vec::new() } else { exports::store::shards::all(&deps.pool, job.id).await? };
         Ok(Some(ClaimedExport {
             deps: deps.clone(),
             worker_id: worker_id.to_owned(),
@@ -234,7 +234,7 @@ impl ClaimedExport {
     /// Gives the job back so another worker can continue at once (shutdown, or yielding).
     pub async fn release(self) -> anyhow::Result<()> {
         self.release_shard().await?;
-        fenced::release(&self.deps.pool, self.lease).await?;
+        lease::release(&self.deps.pool, self.lease).await?;
         tracing::info!(export = %self.job.id, "released export lease");
         Ok(())
     }
@@ -244,7 +244,7 @@ impl ClaimedExport {
     /// checkpoints again and counts an attempt, unless the run was `interrupted` by an outage.
     pub async fn give_back(self, interrupted: bool) -> anyhow::Result<()> {
         self.release_shard().await?;
-        fenced::give_back(&self.deps.pool, self.lease, interrupted).await?;
+        lease::give_back(&self.deps.pool, self.lease, interrupted).await?;
         tracing::info!(export = %self.job.id, "gave the export back after an error");
         Ok(())
     }
@@ -279,7 +279,7 @@ impl ClaimedExport {
             if progress.planned_shards > progress.shards_done {
                 return Ok(None);
             }
-            let last = exports::last_shard(&self.deps.pool, self.job.id).await?;
+            let last = exports::store::shards::last(&self.deps.pool, self.job.id).await?;
             let complete = last.as_ref().is_some_and(|c| (c.rows as u64) < self.plan.shard_rows);
             let next = NewShard {
                 index: last.as_ref().map_or(0, |c| c.shard_index + 1),
@@ -449,7 +449,7 @@ impl ClaimedExport {
         if let Err(reason) = authorized(&self.deps, &self.job, &self.plan) {
             return self.fail("permission-revoked", &reason).await;
         }
-        let checkpoints = exports::shards(&self.deps.pool, self.job.id).await?;
+        let checkpoints = exports::store::shards::all(&self.deps.pool, self.job.id).await?;
         let layout = Layout::whole_file(&checkpoints);
         let file_sha256 = layout.sha256(&self.deps.store).await?;
         let next_cursor = self.plan.next_cursor(&self.deps, &self.job).await?;
@@ -476,7 +476,7 @@ impl ClaimedExport {
             // An incremental export advances the principal's stored cursor as it succeeds.
             stored_cursor: self.plan.chain.as_ref().and(manifest.next_cursor.as_deref()),
         };
-        match fenced::publish(&self.deps.pool, self.lease, &publication).await? {
+        match lease::publish(&self.deps.pool, self.lease, &publication).await? {
             Ok(()) => {
                 let started = self.job.started_at.unwrap_or(self.job.created_at);
                 let seconds = (time::OffsetDateTime::now_utc() - started).as_seconds_f64().max(0.0);
@@ -533,7 +533,7 @@ impl ClaimedExport {
     /// A fenced write matched nothing: a cancel request (still our generation), a takeover, or
     /// our own terminal write whose reply was lost with the connection (a retried step).
     async fn after_refused_write(&mut self) -> anyhow::Result<Step> {
-        let (state, generation, error_code) = fenced::current(&self.deps.pool, self.job.id).await?;
+        let (state, generation, error_code) = lease::current(&self.deps.pool, self.job.id).await?;
         if generation == self.lease.generation {
             match state {
                 ExportState::CancelRequested => return self.finish_cancel().await,
@@ -549,8 +549,7 @@ impl ClaimedExport {
 
     async fn finish_cancel(&mut self) -> anyhow::Result<Step> {
         let fence = Fence::Job(self.lease);
-        match fenced::finish(&self.deps.pool, fence, ExportState::CancelRequested, ExportState::Cancelled, None).await?
-        {
+        match lease::finish(&self.deps.pool, fence, ExportState::CancelRequested, ExportState::Cancelled, None).await? {
             Ok(()) => {
                 ending::delete_files(&self.deps, &self.job, "cancelled").await?;
                 tracing::info!(export = %self.job.id, "cancelled export");

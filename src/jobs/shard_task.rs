@@ -5,11 +5,11 @@
 use std::time::Duration;
 
 use super::WorkerDeps;
-use super::fenced::{self, Refused};
 use super::heartbeat::Heartbeat;
 use super::plan::Plan;
 use super::shard::{self, ShardJob, ShardStop};
-use super::shard_plan::{PlannedShard, Progress, ShardLease};
+use crate::exports::store::lease::{self, Refused};
+use crate::exports::store::plan::{PlannedShard, Progress, ShardLease};
 use crate::exports::{ExportJob, ShardRecord, shard_name};
 use crate::storage::ObjectKey;
 
@@ -115,7 +115,7 @@ impl<'a> ShardTask<'a> {
             return Ok(Written::Mismatch(problem));
         }
         let limit = deps.registry.get(&self.job.tenant).map_or(0, |t| t.quota.storage_bytes);
-        match fenced::record_shard(&deps.pool, self.lease(), self.worker_id, &self.job.tenant, limit, &checkpoint)
+        match lease::record_shard(&deps.pool, self.lease(), self.worker_id, &self.job.tenant, limit, &checkpoint)
             .await?
         {
             Ok(progress) => {

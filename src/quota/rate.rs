@@ -173,13 +173,6 @@ pub async fn run_housekeeping(
         if let Err(e) = limits.refusals.flush(&pool).await {
             tracing::warn!(error = %e, "could not flush refusal counts; keeping them for the next try");
         }
-        // The usage history a minute at a time, from the first second on.
-        if ticks.is_multiple_of(60) {
-            let tenants = limits.tenants();
-            if let Err(e) = super::history::record(&pool, &tenants).await {
-                tracing::warn!(error = %e, "could not record the usage history; trying again in a minute");
-            }
-        }
         ticks += 1;
         if ticks.is_multiple_of(60) {
             limits.retain_recent();

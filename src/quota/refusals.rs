@@ -163,12 +163,15 @@ pub async fn of_day(pool: &PgPool, tenant: &TenantId, day: time::Date) -> sqlx::
 /// Days of refusal counts kept (the history charts need 30).
 const KEPT_DAYS: i64 = 400;
 
+/// Days of hourly refusal counts kept: as long as the usage history keeps its hours.
+pub const HOURS_KEPT_DAYS: i64 = 90;
+
 /// Deletes refusal counts of days older than [`KEPT_DAYS`] before `now`, and hourly ones older
 /// than the usage history (the cleaner's pass).
 pub async fn collect(pool: &PgPool, now: time::OffsetDateTime) -> sqlx::Result<u64> {
     let oldest = (now - time::Duration::days(KEPT_DAYS)).date();
     let hours = sqlx::query("DELETE FROM tenant_refusal_hours WHERE hour < $1")
-        .bind(now - time::Duration::days(super::history::KEPT_DAYS))
+        .bind(now - time::Duration::days(HOURS_KEPT_DAYS))
         .execute(pool)
         .await?;
     let days = sqlx::query("DELETE FROM tenant_refusals WHERE day < $1").bind(oldest).execute(pool).await?;

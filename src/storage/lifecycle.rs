@@ -17,7 +17,8 @@ pub const ABANDONED_AFTER: Duration = Duration::from_secs(3600);
 /// (reason, files, bytes) for one deletion.
 pub type Reclaimed = (String, u64, u64);
 
-/// Deletes every file of one export and records why; marks the job's files as gone.
+/// Deletes every file of one export and records why. The export store marks the job's files
+/// gone ([`crate::exports::delete_files`]).
 pub async fn delete_export_files(
     pool: &PgPool,
     store: &ArtifactStore,
@@ -27,58 +28,43 @@ pub async fn delete_export_files(
 ) -> anyhow::Result<(u64, u64)> {
     let prefix = ObjectKey::parse(&format!("{tenant}/{export_id}")).map_err(anyhow::Error::msg)?;
     let (files, bytes) = store.delete_prefix(&prefix).await.context("deleting an export's files")?;
-    sqlx::query("UPDATE export_jobs SET files_deleted_at = now() WHERE id = $1 AND files_deleted_at IS NULL")
-        .bind(export_id)
-        .execute(pool)
-        .await?;
     if files > 0 {
         record(pool, Some(tenant), Some(export_id), reason, files, bytes).await?;
     }
     Ok((files, bytes))
 }
 
-/// Files no job references: exports that do not exist, and files of older attempts that no
-/// checkpoint points at. A running job's files of each shard's current attempt (directory
-/// `s{index}-a{attempt}`, see the worker) are never touched.
-pub async fn sweep_orphans(pool: &PgPool, store: &ArtifactStore) -> anyhow::Result<Vec<Reclaimed>> {
+/// Which files of an export directory are still needed, as the export store answers it.
+#[derive(Debug, Default)]
+pub struct InUse {
+    /// Object keys its checkpoints point at.
+    pub referenced: HashSet<String>,
+    /// Attempt directories (`s{index}-a{attempt}`) being written now.
+    pub writing: HashSet<String>,
+}
+
+/// Who knows which stored files are still needed: the export store.
+pub trait Owner: Sync {
+    /// `None`: no such export.
+    fn in_use(&self, tenant: &str, export_id: Uuid) -> impl Future<Output = sqlx::Result<Option<InUse>>> + Send;
+}
+
+/// Files no job references: exports that do not exist (`in_use` answers `None`), and files of
+/// older attempts that no checkpoint points at. A running job's files of each shard's current
+/// attempt are never touched.
+pub async fn sweep_orphans(pool: &PgPool, store: &ArtifactStore, owner: &impl Owner) -> anyhow::Result<Vec<Reclaimed>> {
     let mut reclaimed = Vec::new();
     for ((tenant, export_dir), objects) in by_export(store.list(None).await.context("listing stored files")?) {
         let Ok(export_id) = Uuid::parse_str(&export_dir) else { continue };
-        let state: Option<String> = sqlx::query_scalar("SELECT state FROM export_jobs WHERE id = $1 AND tenant = $2")
-            .bind(export_id)
-            .bind(&tenant)
-            .fetch_optional(pool)
-            .await?;
-        let Some(state) = state else {
+        let Some(needed) = owner.in_use(&tenant, export_id).await? else {
             let (files, bytes) = delete_export_files(pool, store, &tenant, export_id, "orphan").await?;
             reclaimed.push(("orphan".into(), files, bytes));
             continue;
         };
-        let referenced: HashSet<String> =
-            sqlx::query_scalar::<_, String>("SELECT object_key FROM export_shards WHERE export_id = $1")
-                .bind(export_id)
-                .fetch_all(pool)
-                .await?
-                .into_iter()
-                .collect();
-        // A running job's shards being written now: each planned shard's current attempt.
-        let writing: HashSet<String> = if matches!(state.as_str(), "QUEUED" | "RUNNING" | "CANCEL_REQUESTED") {
-            sqlx::query_scalar::<_, String>(
-                "SELECT 's' || shard_index || '-a' || writer_attempt FROM export_shard_plan WHERE export_id = $1",
-            )
-            .bind(export_id)
-            .fetch_all(pool)
-            .await?
-            .into_iter()
-            .collect()
-        } else {
-            HashSet::new()
-        };
         let (mut files, mut bytes) = (0, 0);
         for object in objects {
             let attempt_dir = object.key.segments().nth(2).unwrap_or_default();
-            let in_use = referenced.contains(object.key.as_str()) || writing.contains(attempt_dir);
-            if !in_use {
+            if !needed.referenced.contains(object.key.as_str()) && !needed.writing.contains(attempt_dir) {
                 bytes += store.delete(&object.key).await?;
                 files += 1;
             }

@@ -501,7 +501,7 @@ async fn the_usage_history_records_what_the_usage_api_shows(pool: PgPool) {
     // Recording twice (two processes, or one a minute later) changes nothing.
     for _ in 0..2 {
         // Another process may hold the lock for a moment (the test server's own housekeeping).
-        while !exportd::quota::history::record(&app.pool, &["acme", "globex"]).await.unwrap() {}
+        while !exportd::usage::history::record(&app.pool, &["acme", "globex"]).await.unwrap() {}
     }
     let today: serde_json::Value = history(&app, &admin, "granularity=day").await.json().await.unwrap();
     assert_eq!(today["granularity"], "day");
@@ -611,7 +611,7 @@ async fn usage_history_is_kept_ninety_days(pool: PgPool) {
     .execute(&app.pool)
     .await
     .unwrap();
-    let collected = exportd::quota::history::collect(&app.pool, time::OffsetDateTime::now_utc()).await.unwrap();
+    let collected = exportd::usage::history::collect(&app.pool, time::OffsetDateTime::now_utc()).await.unwrap();
     assert_eq!(collected, 2);
     let kept: Vec<i64> = sqlx::query_scalar("SELECT egress_bytes FROM tenant_usage_hours ORDER BY egress_bytes")
         .fetch_all(&app.pool)

@@ -22,7 +22,7 @@ use super::session;
 use super::state::AppState;
 use crate::auth::{self, Caller};
 use crate::exports::{self, ExportError};
-use crate::quota::history::{self, Granularity};
+use crate::usage::history::{self, Granularity};
 
 const CSP: &str = "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'";
 
@@ -122,7 +122,7 @@ async fn overview(state: &AppState, caller: &Caller) -> Result<Markup, ExportErr
     let history =
         history::read(&state.pool, caller.tenant.id.as_str(), Granularity::Day, to - time::Duration::days(30), to)
             .await?;
-    let partners = crate::quota::partners::activity(&state.pool, &caller.tenant, now).await?;
+    let partners = crate::usage::partners::activity(&state.pool, &caller.tenant, now).await?;
     let recent = exports::list(&state.pool, caller, None, None, 20).await?;
     let overview = pages::Overview {
         tenant: &caller.tenant,
@@ -152,7 +152,7 @@ async fn export_page(State(state): State<AppState>, headers: HeaderMap, Path(id)
             return page(StatusCode::INTERNAL_SERVER_ERROR, pages::message("Not available", "See the server log."));
         }
     };
-    let shards = exports::shards(&state.pool, job.id).await;
+    let shards = exports::store::shards::all(&state.pool, job.id).await;
     let events = crate::audit::of_export(&state.pool, caller.tenant.id.as_str(), job.id, 200).await;
     match (shards, events) {
         (Ok(shards), Ok(events)) => {

@@ -7,10 +7,11 @@ use super::charts::{BarChart, Series};
 use super::units::{self, bytes, duration, relative};
 use crate::audit::AuditEntry;
 use crate::exports::{ExportJob, ShardRecord};
-use crate::quota::history::Point;
-use crate::quota::partners::PartnerActivity;
-use crate::quota::{RefusalKind, Usage};
+use crate::quota::RefusalKind;
 use crate::tenants::Tenant;
+use crate::usage::Usage;
+use crate::usage::history::Point;
+use crate::usage::partners::PartnerActivity;
 
 const STYLE: &str = "body{font:14px/1.45 system-ui,sans-serif;margin:2em;color:#1f2328;max-width:1100px}\
     h1{font-size:22px}h2{font-size:17px;margin-top:1.8em}a{color:#0550ae}\

@@ -39,15 +39,7 @@ pub struct FeedStanding {
 pub async fn activity(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sqlx::Result<Vec<PartnerActivity>> {
     let id = tenant.id.as_str();
     let since = now - time::Duration::days(WINDOW_DAYS);
-    let exports: HashMap<String, i64> = sqlx::query_as(
-        "SELECT principal, count(*) FROM export_jobs WHERE tenant = $1 AND created_at >= $2 GROUP BY principal",
-    )
-    .bind(id)
-    .bind(since)
-    .fetch_all(pool)
-    .await?
-    .into_iter()
-    .collect();
+    let exports = crate::exports::store::facts::created_per_principal(pool, id, since).await?;
     let downloads: HashMap<String, (i64, Option<OffsetDateTime>)> =
         sqlx::query_as::<_, (String, i64, Option<OffsetDateTime>)>(
             "SELECT principal, coalesce(sum(bytes), 0)::bigint, max(at) FROM audit_log

@@ -1,21 +1,16 @@
-//! Every write a worker makes, conditioned on its lease generation. A write that matches no
-//! row means another worker took over (or the user cancelled): the caller stops.
-//!
-//! **Lock order**, everywhere in exportd: a transaction that takes several row locks takes them
-//! in this order, so no two transactions ever wait on each other in a cycle:
-//! `tenant_usage` (quota decisions, [`crate::quota::lock_tenant`]) → `export_jobs` →
-//! `export_shards` → `export_shard_plan` → `scheduler_turns` (claims only, last). Never an earlier kind after a
-//! later one. The claim takes the `CLAIM_LOCK` advisory lock before any row; nothing else takes
-//! it, so it adds no cycle.
+//! A job's lease and every write its worker makes, conditioned on the lease generation. A
+//! write that matches no row means another worker took over (or the user cancelled): the
+//! caller stops. Rows are locked in the order the [module](super) gives.
 
 use std::time::Duration;
 
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use super::shard_plan::{HAS_LIVE_WRITERS, NEEDS_COORDINATOR, Progress, ShardLease};
+use super::plan::{HAS_LIVE_WRITERS, NEEDS_COORDINATOR, Progress, ShardLease};
+use super::{CLAIM_LOCK, JOB_COLUMNS, millis};
 use crate::exports::states::UNFINISHED;
-use crate::exports::{ExportJob, ExportState, JOB_COLUMNS, ShardRecord};
+use crate::exports::{ExportJob, ExportState, ShardRecord};
 
 /// The right to work on one job, for one generation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,13 +23,6 @@ pub struct Lease {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("lease lost: another worker owns the job now")]
 pub struct LeaseLost;
-
-pub(super) fn millis(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
-}
-
-/// Advisory lock key serializing claims ("exportd-claim").
-pub(super) const CLAIM_LOCK: i64 = 0x6578_706f_7274_636d;
 
 /// A claimed job, and whether its previous holder yielded it cleanly between shards.
 #[derive(Debug, sqlx::FromRow)]

@@ -1,4 +1,4 @@
-//! A tenant's usage next to its limits, read from the durable records.
+//! A tenant's usage next to its limits, read from the durable records (`GET /v1/usage`).
 
 use std::collections::BTreeMap;
 
@@ -6,7 +6,8 @@ use serde::Serialize;
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
-use super::refusals::{self, RefusalKind, Refusals};
+use crate::exports::store::facts;
+use crate::quota::refusals::{self, RefusalKind, Refusals};
 use crate::tenants::{Quota, Tenant};
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -50,36 +51,11 @@ pub async fn usage(pool: &PgPool, tenant: &Tenant, unflushed: &Refusals, now: Of
     let _steady = unflushed.steady().await;
     let id = tenant.id.as_str();
     let midnight = now.replace_time(time::Time::MIDNIGHT);
-    let states: BTreeMap<String, i64> =
-        sqlx::query_as::<_, (String, i64)>("SELECT state, count(*) FROM export_jobs WHERE tenant = $1 GROUP BY state")
-            .bind(id)
-            .fetch_all(pool)
-            .await?
-            .into_iter()
-            .collect();
-    let (oldest_queued, oldest_running): (Option<OffsetDateTime>, Option<OffsetDateTime>) = sqlx::query_as(
-        "SELECT min(created_at) FILTER (WHERE state = 'QUEUED'), min(started_at) FILTER (WHERE state = 'RUNNING')
-         FROM export_jobs WHERE tenant = $1",
-    )
-    .bind(id)
-    .fetch_one(pool)
-    .await?;
-    let stored_bytes: i64 = sqlx::query_scalar(
-        "SELECT coalesce(sum(bytes_done), 0)::bigint FROM export_jobs WHERE tenant = $1 AND files_deleted_at IS NULL",
-    )
-    .bind(id)
-    .fetch_one(pool)
-    .await?;
-    let egress = super::egress::egress_today(pool, id, now).await?;
-    let rows_today: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT coalesce(sum(rows_done), 0)::bigint FROM export_jobs WHERE tenant = $1 AND state IN {}
-           AND finished_at >= $2",
-        crate::exports::states::PUBLISHED
-    )))
-    .bind(id)
-    .bind(midnight)
-    .fetch_one(pool)
-    .await?;
+    let states = facts::states(pool, id).await?;
+    let (oldest_queued, oldest_running) = facts::oldest_waiting(pool, id).await?;
+    let stored_bytes = facts::stored_bytes(pool, id).await?;
+    let egress = crate::quota::egress_today(pool, id, now).await?;
+    let rows_today = facts::rows_published_since(pool, id, midnight).await?;
     let (rate_limited, quota_rejections): (i64, i64) = sqlx::query_as(
         "SELECT coalesce(max(rate_limited), 0), coalesce(max(quota_rejections), 0) FROM tenant_usage WHERE tenant = $1",
     )

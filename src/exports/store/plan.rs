@@ -7,16 +7,17 @@
 //! one-worker run. An incremental export is planned one shard at a time, where the last ended.
 //!
 //! A shard's writer holds the row's lease; `writer_attempt` is the fencing token its checkpoint
-//! is recorded under ([`super::fenced::record_shard`]). Rows are locked after `export_jobs` and
-//! `export_shards` and before `scheduler_turns` (the lock order in [`super::fenced`]).
+//! is recorded under ([`super::lease::record_shard`]). Rows are locked after `export_jobs` and
+//! `export_shards` and before `scheduler_turns` (the lock order in [`super`]).
 
 use std::time::Duration;
 
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use super::fenced::{CLAIM_LOCK, Lease, LeaseLost, millis};
-use crate::exports::{ExportJob, ExportState, JOB_COLUMNS};
+use super::lease::{Lease, LeaseLost};
+use super::{CLAIM_LOCK, JOB_COLUMNS, millis};
+use crate::exports::{ExportJob, ExportState};
 
 /// One planned shard, as a writer took it.
 #[derive(Debug, Clone, sqlx::FromRow)]

@@ -13,8 +13,10 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
+use crate::exports::store::facts;
+
 /// Days of hourly history kept.
-pub const KEPT_DAYS: i64 = 90;
+pub const KEPT_DAYS: i64 = crate::quota::refusals::HOURS_KEPT_DAYS;
 
 /// Only one process records at a time; the others skip that minute.
 const RECORD_LOCK: i64 = 0x6578_706f_7274_6801;
@@ -86,17 +88,35 @@ pub struct Point {
 /// Records the current and the previous hour of every tenant in `tenants`, unless another
 /// process is recording right now. Returns whether this one did.
 pub async fn record(pool: &PgPool, tenants: &[&str]) -> sqlx::Result<bool> {
+    let tenants: Vec<String> = tenants.iter().map(|t| (*t).to_owned()).collect();
     let mut tx = pool.begin().await?;
     let locked: bool =
         sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)").bind(RECORD_LOCK).fetch_one(&mut *tx).await?;
     if !locked {
         return Ok(false);
     }
-    for (hours_ago, sample_gauges) in [(1, false), (0, true)] {
-        sqlx::query(sqlx::AssertSqlSafe(record_hour_sql()))
-            .bind(hours_ago)
-            .bind(tenants)
-            .bind(sample_gauges)
+    let current: OffsetDateTime =
+        sqlx::query_scalar("SELECT date_trunc('hour', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'")
+            .fetch_one(&mut *tx)
+            .await?;
+    for (hour, sample_gauges) in [(current - time::Duration::HOUR, false), (current, true)] {
+        let finished = facts::finished_in_hour(&mut tx, hour, &tenants).await?;
+        let gauges = if sample_gauges { facts::gauges(&mut tx, &tenants).await? } else { Vec::new() };
+        sqlx::query(RECORD_HOUR)
+            .bind(hour)
+            .bind(&tenants)
+            .bind(finished.iter().map(|f| f.tenant.as_str()).collect::<Vec<_>>())
+            .bind(finished.iter().map(|f| f.rows).collect::<Vec<_>>())
+            .bind(finished.iter().map(|f| f.succeeded).collect::<Vec<_>>())
+            .bind(finished.iter().map(|f| f.failed).collect::<Vec<_>>())
+            .bind(finished.iter().map(|f| f.cancelled).collect::<Vec<_>>())
+            .bind(finished.iter().map(|f| f.p50).collect::<Vec<_>>())
+            .bind(finished.iter().map(|f| f.p95).collect::<Vec<_>>())
+            .bind(gauges.iter().map(|g| g.tenant.as_str()).collect::<Vec<_>>())
+            .bind(gauges.iter().map(|g| g.stored_bytes).collect::<Vec<_>>())
+            .bind(gauges.iter().map(|g| g.queued).collect::<Vec<_>>())
+            .bind(gauges.iter().map(|g| g.running).collect::<Vec<_>>())
+            .bind(gauges.iter().map(|g| g.oldest_queued_seconds).collect::<Vec<_>>())
             .execute(&mut *tx)
             .await?;
     }
@@ -104,49 +124,47 @@ pub async fn record(pool: &PgPool, tenants: &[&str]) -> sqlx::Result<bool> {
     Ok(true)
 }
 
-/// One hour (`$1` hours before the current one) of tenants `$2`; `$3`: sample the gauges now.
-fn record_hour_sql() -> String {
-    format!(
-        "
-WITH span AS (SELECT date_trunc('hour', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' - $1 * interval '1 hour' AS hour),
-tenants AS (SELECT DISTINCT unnest($2::text[]) AS tenant),
+/// Records the history a minute at a time, from the first second on, until `shutdown` (every
+/// API process; one records while the others skip).
+pub async fn run_recording(pool: PgPool, tenants: Vec<String>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    let tenants: Vec<&str> = tenants.iter().map(String::as_str).collect();
+    while !*shutdown.borrow() {
+        if let Err(e) = record(&pool, &tenants).await {
+            tracing::warn!(error = %e, "could not record the usage history; trying again in a minute");
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_secs(60)) => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+}
+
+/// One hour (`$1`) of tenants `$2`: egress and refusals read here, the exports that finished
+/// (`$3`–`$9`) and the export gauges (`$10`–`$14`, none when not sampled) as the export store
+/// gave them.
+const RECORD_HOUR: &str = "
+WITH tenants AS (SELECT DISTINCT unnest($2::text[]) AS tenant),
 egress AS (
-    SELECT a.tenant, sum(a.bytes)::bigint AS bytes FROM audit_log a, span
-    WHERE a.action = 'downloaded' AND a.at >= span.hour AND a.at < span.hour + interval '1 hour' AND a.tenant = ANY($2)
+    SELECT a.tenant, sum(a.bytes)::bigint AS bytes FROM audit_log a
+    WHERE a.action = 'downloaded' AND a.at >= $1 AND a.at < $1 + interval '1 hour' AND a.tenant = ANY($2)
     GROUP BY a.tenant),
 finished AS (
-    SELECT j.tenant,
-           coalesce(sum(j.rows_done) FILTER (WHERE j.state IN {published}), 0)::bigint AS rows,
-           count(*) FILTER (WHERE j.state IN {published})::int AS succeeded,
-           count(*) FILTER (WHERE j.state = 'FAILED')::int AS failed,
-           count(*) FILTER (WHERE j.state = 'CANCELLED')::int AS cancelled,
-           percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM j.finished_at - j.created_at))
-               FILTER (WHERE j.state IN {published}) AS p50,
-           percentile_cont(0.95) WITHIN GROUP (ORDER BY extract(epoch FROM j.finished_at - j.created_at))
-               FILTER (WHERE j.state IN {published}) AS p95
-    FROM export_jobs j, span
-    WHERE j.finished_at >= span.hour AND j.finished_at < span.hour + interval '1 hour' AND j.tenant = ANY($2)
-    GROUP BY j.tenant),
+    SELECT * FROM unnest($3::text[], $4::bigint[], $5::int[], $6::int[], $7::int[], $8::float8[], $9::float8[])
+        AS f(tenant, rows, succeeded, failed, cancelled, p50, p95)),
 refused AS (
-    SELECT r.tenant, jsonb_object_agg(r.kind, r.count) AS refusals FROM tenant_refusal_hours r, span
-    WHERE r.hour = span.hour AND r.tenant = ANY($2)
+    SELECT r.tenant, jsonb_object_agg(r.kind, r.count) AS refusals FROM tenant_refusal_hours r
+    WHERE r.hour = $1 AND r.tenant = ANY($2)
     GROUP BY r.tenant),
 gauges AS (
-    SELECT j.tenant,
-           coalesce(sum(j.bytes_done) FILTER (WHERE j.files_deleted_at IS NULL), 0)::bigint AS stored,
-           count(*) FILTER (WHERE j.state = 'QUEUED')::int AS queued,
-           count(*) FILTER (WHERE j.state = 'RUNNING')::int AS running,
-           coalesce(floor(extract(epoch FROM now() - min(j.created_at) FILTER (WHERE j.state = 'QUEUED'))), 0)::bigint AS oldest
-    FROM export_jobs j
-    WHERE $3 AND j.tenant = ANY($2)
-    GROUP BY j.tenant)
+    SELECT * FROM unnest($10::text[], $11::bigint[], $12::int[], $13::int[], $14::bigint[])
+        AS g(tenant, stored, queued, running, oldest))
 INSERT INTO tenant_usage_hours AS h (tenant, hour, egress_bytes, rows_exported, exports_succeeded, exports_failed,
     exports_cancelled, export_seconds_p50, export_seconds_p95, refusals, stored_bytes_max, queued_max, running_max,
     oldest_queued_seconds_max)
-SELECT t.tenant, span.hour, coalesce(e.bytes, 0), coalesce(f.rows, 0), coalesce(f.succeeded, 0), coalesce(f.failed, 0),
-       coalesce(f.cancelled, 0), f.p50, f.p95, coalesce(r.refusals, '{{}}'), coalesce(g.stored, 0), coalesce(g.queued, 0),
+SELECT t.tenant, $1, coalesce(e.bytes, 0), coalesce(f.rows, 0), coalesce(f.succeeded, 0), coalesce(f.failed, 0),
+       coalesce(f.cancelled, 0), f.p50, f.p95, coalesce(r.refusals, '{}'), coalesce(g.stored, 0), coalesce(g.queued, 0),
        coalesce(g.running, 0), coalesce(g.oldest, 0)
-FROM tenants t CROSS JOIN span
+FROM tenants t
 LEFT JOIN egress e ON e.tenant = t.tenant LEFT JOIN finished f ON f.tenant = t.tenant
 LEFT JOIN refused r ON r.tenant = t.tenant LEFT JOIN gauges g ON g.tenant = t.tenant
 ORDER BY t.tenant
@@ -158,10 +176,7 @@ ON CONFLICT ON CONSTRAINT tenant_usage_hours_pkey DO UPDATE SET
     stored_bytes_max = greatest(h.stored_bytes_max, EXCLUDED.stored_bytes_max),
     queued_max = greatest(h.queued_max, EXCLUDED.queued_max),
     running_max = greatest(h.running_max, EXCLUDED.running_max),
-    oldest_queued_seconds_max = greatest(h.oldest_queued_seconds_max, EXCLUDED.oldest_queued_seconds_max)",
-        published = crate::exports::states::PUBLISHED
-    )
-}
+    oldest_queued_seconds_max = greatest(h.oldest_queued_seconds_max, EXCLUDED.oldest_queued_seconds_max)";
 
 /// The tenant's buckets from `from` to `to` (bucket starts, `to` excluded), every bucket present
 /// (zeros where nothing was recorded).
@@ -206,7 +221,7 @@ pub async fn read(
     .fetch_all(pool)
     .await?;
     for point in &mut points {
-        for kind in super::RefusalKind::ALL {
+        for kind in crate::quota::RefusalKind::ALL {
             point.refusals.entry(kind.as_str().to_owned()).or_insert(0);
         }
     }
