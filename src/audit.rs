@@ -31,25 +31,25 @@ pub async fn record(pool: &PgPool, event: AuditEvent<'_>) {
 
 /// Inserts an event with `executor` (e.g. inside the transaction that decided it).
 pub async fn insert<'e>(executor: impl sqlx::PgExecutor<'e>, event: &AuditEvent<'_>) -> sqlx::Result<()> {
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO audit_log (tenant, principal, action, export_id, object, byte_range, status, address, bytes)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        event.tenant,
+        event.principal,
+        event.action,
+        event.export_id,
+        event.object,
+        event.byte_range,
+        event.status.map(i32::from),
+        event.address,
+        event.bytes.map(|b| b as i64),
     )
-    .bind(event.tenant)
-    .bind(event.principal)
-    .bind(event.action)
-    .bind(event.export_id)
-    .bind(&event.object)
-    .bind(&event.byte_range)
-    .bind(event.status.map(i32::from))
-    .bind(&event.address)
-    .bind(event.bytes.map(|b| b as i64))
     .execute(executor)
     .await?;
     Ok(())
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct AuditEntry {
     pub id: i64,
     #[serde(with = "time::serde::rfc3339")]
@@ -71,13 +71,14 @@ pub async fn page(
     before: Option<i64>,
     limit: u32,
 ) -> sqlx::Result<(Vec<AuditEntry>, Option<String>)> {
-    let mut entries: Vec<AuditEntry> = sqlx::query_as(
+    let mut entries = sqlx::query_as!(
+        AuditEntry,
         "SELECT id, at, principal, action, export_id, object, byte_range, status, address FROM audit_log
          WHERE tenant = $1 AND ($2::bigint IS NULL OR id < $2) ORDER BY id DESC LIMIT $3",
+        tenant,
+        before,
+        i64::from(limit) + 1,
     )
-    .bind(tenant)
-    .bind(before)
-    .bind(i64::from(limit) + 1)
     .fetch_all(pool)
     .await?;
     let next = if entries.len() > limit as usize {
@@ -91,13 +92,14 @@ pub async fn page(
 
 /// The latest `limit` events of one of the tenant's exports, newest first.
 pub async fn of_export(pool: &PgPool, tenant: &str, export_id: Uuid, limit: u32) -> sqlx::Result<Vec<AuditEntry>> {
-    sqlx::query_as(
+    sqlx::query_as!(
+        AuditEntry,
         "SELECT id, at, principal, action, export_id, object, byte_range, status, address FROM audit_log
          WHERE export_id = $2 AND tenant = $1 ORDER BY id DESC LIMIT $3",
+        tenant,
+        export_id,
+        i64::from(limit),
     )
-    .bind(tenant)
-    .bind(export_id)
-    .bind(i64::from(limit))
     .fetch_all(pool)
     .await
 }

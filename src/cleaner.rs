@@ -41,8 +41,9 @@ pub async fn run_once(
     now: OffsetDateTime,
 ) -> anyhow::Result<Report> {
     let mut lock = pool.acquire().await?;
-    let locked: bool =
-        sqlx::query_scalar("SELECT pg_try_advisory_lock($1)").bind(CLEANER_LOCK).fetch_one(&mut *lock).await?;
+    let locked: bool = sqlx::query_scalar!(r#"SELECT pg_try_advisory_lock($1) AS "locked!""#, CLEANER_LOCK)
+        .fetch_one(&mut *lock)
+        .await?;
     if !locked {
         return Ok(Report::default());
     }
@@ -50,7 +51,7 @@ pub async fn run_once(
         Ok(mut report) => collect_history(pool, registry, now, &mut report).await.map(|()| report),
         Err(e) => Err(e),
     };
-    sqlx::query("SELECT pg_advisory_unlock($1)").bind(CLEANER_LOCK).execute(&mut *lock).await?;
+    sqlx::query!("SELECT pg_advisory_unlock($1)", CLEANER_LOCK).fetch_one(&mut *lock).await?;
     result
 }
 

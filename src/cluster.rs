@@ -87,37 +87,40 @@ async fn heartbeat(
             _ = shutdown.changed() => {}
         }
     }
-    let _ = sqlx::query("DELETE FROM cluster_processes WHERE id = $1").bind(id).execute(&pool).await;
+    let _ = sqlx::query!("DELETE FROM cluster_processes WHERE id = $1", id).execute(&pool).await;
 }
 
 /// Registers or renews this process (again after a pause long enough for the others to have
 /// forgotten it), forgets the dead, and counts the living.
 async fn beat(pool: &PgPool, id: Uuid, roles: Roles) -> sqlx::Result<Shares> {
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO cluster_processes (id, host, pid, serves_api, runs_workers) VALUES ($1, $2, $3, $4, $5)
          ON CONFLICT (id) DO UPDATE SET heartbeat_at = now()",
+        id,
+        hostname(),
+        std::process::id() as i32,
+        roles.api,
+        roles.workers,
     )
-    .bind(id)
-    .bind(hostname())
-    .bind(std::process::id() as i32)
-    .bind(roles.api)
-    .bind(roles.workers)
     .execute(pool)
     .await?;
-    sqlx::query("DELETE FROM cluster_processes WHERE heartbeat_at < now() - make_interval(secs => $1)")
-        .bind(PRESUMED_DEAD.as_secs_f64())
-        .execute(pool)
-        .await?;
+    sqlx::query!(
+        "DELETE FROM cluster_processes WHERE heartbeat_at < now() - make_interval(secs => $1)",
+        PRESUMED_DEAD.as_secs_f64(),
+    )
+    .execute(pool)
+    .await?;
     count(pool).await
 }
 
 async fn count(pool: &PgPool) -> sqlx::Result<Shares> {
-    let (api, workers): (i64, i64) = sqlx::query_as(
-        "SELECT count(*) FILTER (WHERE serves_api), count(*) FILTER (WHERE runs_workers) FROM cluster_processes",
+    let live = sqlx::query!(
+        r#"SELECT count(*) FILTER (WHERE serves_api) AS "api!", count(*) FILTER (WHERE runs_workers) AS "workers!"
+           FROM cluster_processes"#,
     )
     .fetch_one(pool)
     .await?;
-    Ok(Shares { api: api.max(1) as u32, workers: workers.max(1) as u32 })
+    Ok(Shares { api: live.api.max(1) as u32, workers: live.workers.max(1) as u32 })
 }
 
 fn hostname() -> String {

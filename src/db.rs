@@ -78,11 +78,13 @@ pub async fn migrate(pool: &PgPool) -> anyhow::Result<usize> {
 }
 
 async fn applied_migrations(pool: &PgPool) -> sqlx::Result<usize> {
-    let exists: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(pool).await?;
+    let exists = sqlx::query_scalar!(r#"SELECT to_regclass('_sqlx_migrations') IS NOT NULL AS "exists!""#)
+        .fetch_one(pool)
+        .await?;
     if !exists {
         return Ok(0);
     }
-    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations").fetch_one(pool).await?;
+    let count = sqlx::query_scalar!(r#"SELECT count(*) AS "count!" FROM _sqlx_migrations"#).fetch_one(pool).await?;
     Ok(count as usize)
 }
 
@@ -103,25 +105,25 @@ pub async fn sync_catalogue(pool: &PgPool, registry: &Registry) -> anyhow::Resul
         }
     }
     let mut tx = pool.begin().await?;
-    sqlx::query(
+    sqlx::query!(
         "DELETE FROM datasets d WHERE NOT EXISTS (
              SELECT 1 FROM unnest($1::text[], $2::text[]) AS c(tenant, dataset)
              WHERE c.tenant = d.tenant AND c.dataset = d.dataset)",
+        &tenants,
+        &datasets,
     )
-    .bind(&tenants)
-    .bind(&datasets)
     .execute(&mut *tx)
     .await?;
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO datasets (tenant, dataset, key_column, columns)
          SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[])
          ON CONFLICT ON CONSTRAINT datasets_pkey
          DO UPDATE SET key_column = EXCLUDED.key_column, columns = EXCLUDED.columns",
+        &tenants,
+        &datasets,
+        &key_columns,
+        &columns,
     )
-    .bind(&tenants)
-    .bind(&datasets)
-    .bind(&key_columns)
-    .bind(&columns)
     .execute(&mut *tx)
     .await?;
     tx.commit().await.context("syncing the dataset catalogue")
@@ -179,6 +181,29 @@ pub fn is_transient_chain(error: &anyhow::Error) -> bool {
     let store = crate::storage::find_store_error(error.as_ref()).is_some_and(|e| e.is_transient());
     store || error.chain().any(|cause| cause.downcast_ref::<sqlx::Error>().is_some_and(is_transient))
 }
+
+/// Stores a Rust enum as its text name: decodes through `TryFrom<String>` (an unknown name is a
+/// decode error), so `query!` type overrides (`state AS "state: ExportState"`) yield the enum.
+/// Bind such a value as its `as_str()`.
+macro_rules! text_column {
+    ($ty:ty) => {
+        impl sqlx::Type<sqlx::Postgres> for $ty {
+            fn type_info() -> sqlx::postgres::PgTypeInfo {
+                <&str as sqlx::Type<sqlx::Postgres>>::type_info()
+            }
+            fn compatible(ty: &sqlx::postgres::PgTypeInfo) -> bool {
+                <&str as sqlx::Type<sqlx::Postgres>>::compatible(ty)
+            }
+        }
+        impl<'r> sqlx::Decode<'r, sqlx::Postgres> for $ty {
+            fn decode(value: sqlx::postgres::PgValueRef<'r>) -> Result<Self, sqlx::error::BoxDynError> {
+                let text = <&str as sqlx::Decode<sqlx::Postgres>>::decode(value)?;
+                Ok(<$ty>::try_from(text.to_owned())?)
+            }
+        }
+    };
+}
+pub(crate) use text_column;
 
 #[cfg(test)]
 mod tests {

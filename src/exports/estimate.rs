@@ -168,11 +168,10 @@ async fn duration(pool: &PgPool, caller: &Caller, spec: &ExportSpec, rows: u64) 
     let tenant = caller.tenant.id.as_str();
     // Whole seconds of running (claim to publish) and rows of recent exports big enough to say
     // something, of this dataset if there are any, else of any of the tenant's datasets.
-    let measured =
-        facts::recent_throughput(pool, tenant, spec.mode.as_str(), spec.dataset.as_str(), MIN_ROWS_FOR_RATE).await?;
+    let measured = facts::recent_throughput(pool, tenant, spec.mode, spec.dataset.as_str(), MIN_ROWS_FOR_RATE).await?;
     let (measured_rate, method) = match measured {
-        Some((same, rows, seconds)) if seconds > 0.0 => {
-            (rows / seconds, if same { "recent_exports_of_dataset" } else { "recent_exports_of_tenant" })
+        Some(facts::Throughput { same_dataset, rows, seconds }) if seconds > 0.0 => {
+            (rows / seconds, if same_dataset { "recent_exports_of_dataset" } else { "recent_exports_of_tenant" })
         }
         _ => (DEFAULT_ROWS_PER_SECOND, "default_rate"),
     };

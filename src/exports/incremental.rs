@@ -38,12 +38,12 @@ pub async fn start(
     let (text, field) = match since {
         Some(since) => (since.to_owned(), "since"),
         None => {
-            let stored: Option<String> = sqlx::query_scalar(
+            let stored = sqlx::query_scalar!(
                 "SELECT cursor FROM feed_cursors WHERE tenant = $1 AND principal = $2 AND dataset = $3",
+                tenant,
+                principal,
+                dataset,
             )
-            .bind(tenant)
-            .bind(principal)
-            .bind(dataset)
             .fetch_optional(pool)
             .await?;
             let stored = stored.ok_or_else(|| ExportError::InvalidCursor {
@@ -73,14 +73,14 @@ pub async fn store_cursor(
     dataset: &str,
     cursor: &str,
 ) -> sqlx::Result<()> {
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO feed_cursors (tenant, principal, dataset, cursor) VALUES ($1, $2, $3, $4)
          ON CONFLICT ON CONSTRAINT feed_cursors_pkey DO UPDATE SET cursor = EXCLUDED.cursor, updated_at = now()",
+        tenant,
+        principal,
+        dataset,
+        cursor,
     )
-    .bind(tenant)
-    .bind(principal)
-    .bind(dataset)
-    .bind(cursor)
     .execute(tx)
     .await?;
     Ok(())

@@ -20,7 +20,7 @@ pub use incremental::{FeedContext, store_cursor};
 pub use layout::{Layout, Segment, ShardRecord};
 pub use manifest::{MANIFEST_VERSION, Manifest, ManifestFile, ManifestShard, shard_name};
 pub use request::{DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode, OP_COLUMN, with_op};
-pub use state::{ExportState, sql as states};
+pub use state::ExportState;
 use store::jobs::Inserted;
 
 use crate::auth::Caller;

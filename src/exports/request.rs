@@ -41,6 +41,8 @@ impl Mode {
     }
 }
 
+crate::db::text_column!(Mode);
+
 impl TryFrom<String> for Mode {
     type Error = String;
     fn try_from(text: String) -> Result<Mode, String> {

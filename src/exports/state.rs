@@ -73,16 +73,7 @@ impl ExportState {
     }
 }
 
-/// SQL lists of states, the one spelling of each set in statements (`state IN …`); a unit test
-/// keeps them equal to [`ExportState::is_terminal`] and [`ExportState::was_published`].
-pub mod sql {
-    /// Not terminal: a worker has or will have work on it; it holds its watermark.
-    pub const UNFINISHED: &str = "('QUEUED', 'RUNNING', 'CANCEL_REQUESTED')";
-    /// Ran to publication.
-    pub const PUBLISHED: &str = "('SUCCEEDED', 'EXPIRED', 'REVOKED')";
-    /// Terminal without files to keep: what the cleaner deletes files of.
-    pub const ENDED_WITHOUT_FILES: &str = "('CANCELLED', 'FAILED', 'EXPIRED', 'REVOKED')";
-}
+crate::db::text_column!(ExportState);
 
 impl TryFrom<String> for ExportState {
     type Error = String;
@@ -102,18 +93,5 @@ mod tests {
             assert_eq!(serde_json::to_value(state).unwrap(), state.as_str());
         }
         assert_eq!(ExportState::parse("queued"), None);
-    }
-
-    #[test]
-    fn the_sql_lists_are_the_predicates() {
-        let list = |keep: fn(ExportState) -> bool| {
-            let names: Vec<String> =
-                ExportState::ALL.into_iter().filter(|s| keep(*s)).map(|s| format!("'{}'", s.as_str())).collect();
-            format!("({})", names.join(", "))
-        };
-        assert_eq!(super::sql::UNFINISHED, list(|s| !s.is_terminal()));
-        assert_eq!(super::sql::PUBLISHED, list(ExportState::was_published));
-        let ended = |s: ExportState| s.is_terminal() && s != ExportState::Succeeded;
-        assert_eq!(super::sql::ENDED_WITHOUT_FILES, list(ended));
     }
 }

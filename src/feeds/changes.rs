@@ -143,7 +143,6 @@ async fn collect<T>(
 
 /// One changed key of a window, as read: its data at the window's end if it matches the
 /// partner's row filter there, and whether it matched at the window's start.
-#[derive(sqlx::FromRow)]
 struct KeyState {
     key: String,
     /// Changed after the reader's start (every key of a window read from its own start).
@@ -184,36 +183,37 @@ fn window_changes<'a>(
     after: &'a str,
     limit: usize,
 ) -> futures_util::stream::BoxStream<'a, sqlx::Result<KeyState>> {
-    sqlx::query_as::<_, KeyState>(
-        "SELECT k.key, coalesce(NOT pg_visible_in_snapshot(e.created_xid, $6::pg_snapshot), false) AS changed,
+    sqlx::query_as!(
+        KeyState,
+        r#"SELECT k.key, coalesce(NOT pg_visible_in_snapshot(e.created_xid, $6::text::pg_snapshot), false) AS "changed!",
                 CASE WHEN e.data @> $7 THEN e.data::text END AS data,
-                coalesce(e.data @> $7, false) AS matches_at_end, s.data IS NOT NULL AS matched_at_start
+                coalesce(e.data @> $7, false) AS "matches_at_end!", s.data IS NOT NULL AS "matched_at_start!"
          FROM feed_window_keys k
          LEFT JOIN LATERAL (
              SELECT v.data, v.created_xid FROM record_versions v WHERE v.id = k.version_id
              UNION ALL
              SELECT v.data, v.created_xid FROM record_versions v
              WHERE k.version_id IS NULL AND v.tenant = $4 AND v.dataset = $5 AND v.key = k.key
-               AND exportd_live_at(v.created_xid, v.closed_xid, $8::pg_snapshot)
+               AND exportd_live_at(v.created_xid, v.closed_xid, $8::text::pg_snapshot)
              LIMIT 1) e ON true
          LEFT JOIN LATERAL (
              SELECT v.data FROM record_versions v
-             WHERE NOT coalesce(e.data @> $7, false) AND NOT pg_visible_in_snapshot(e.created_xid, $6::pg_snapshot)
+             WHERE NOT coalesce(e.data @> $7, false) AND NOT pg_visible_in_snapshot(e.created_xid, $6::text::pg_snapshot)
                AND v.tenant = $4 AND v.dataset = $5 AND v.key = k.key AND v.data IS NOT NULL
-               AND v.data @> $7 AND exportd_live_at(v.created_xid, v.closed_xid, $6::pg_snapshot)
+               AND v.data @> $7 AND exportd_live_at(v.created_xid, v.closed_xid, $6::text::pg_snapshot)
              LIMIT 1) s ON true
          WHERE k.window_id = $1 AND k.key > $2
          ORDER BY k.key
-         LIMIT $3",
+         LIMIT $3"#,
+        window.id,
+        after,
+        limit as i64,
+        feed.tenant,
+        feed.dataset,
+        &window.start,
+        feed.row_filter,
+        &window.to_snapshot,
     )
-    .bind(window.id)
-    .bind(after)
-    .bind(limit as i64)
-    .bind(feed.tenant)
-    .bind(feed.dataset)
-    .bind(&window.start)
-    .bind(feed.row_filter)
-    .bind(&window.to_snapshot)
     .fetch(conn)
 }
 

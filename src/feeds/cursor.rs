@@ -131,7 +131,7 @@ fn decode_signed(keys: &LinkKeys, text: &str) -> Result<Cursor, CursorError> {
 
 /// The cluster's `system_identifier`, which cursors carry.
 pub async fn system_identifier(pool: &PgPool) -> sqlx::Result<String> {
-    sqlx::query_scalar("SELECT system_identifier::text FROM pg_control_system()").fetch_one(pool).await
+    sqlx::query_scalar!(r#"SELECT system_identifier::text AS "id!" FROM pg_control_system()"#).fetch_one(pool).await
 }
 
 #[cfg(test)]

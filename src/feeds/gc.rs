@@ -23,33 +23,28 @@ pub struct Collected {
 /// (and incremental starts) protect every version they can still see.
 pub async fn collect(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sqlx::Result<Collected> {
     let cutoff = now - time::Duration::days(i64::from(tenant.retention.tombstone_days));
-    let horizon: Option<(i64, String)> =
-        sqlx::query_as("SELECT id, snapshot::text FROM feed_ticks WHERE created_at <= $1 ORDER BY id DESC LIMIT 1")
-            .bind(cutoff)
-            .fetch_optional(pool)
-            .await?;
-    let Some((horizon_tick, horizon)) = horizon else { return Ok(Collected::default()) };
+    let horizon = sqlx::query!(
+        r#"SELECT id, snapshot::text AS "snapshot!" FROM feed_ticks WHERE created_at <= $1 ORDER BY id DESC LIMIT 1"#,
+        cutoff,
+    )
+    .fetch_optional(pool)
+    .await?;
+    let Some((horizon_tick, horizon)) = horizon.map(|h| (h.id, h.snapshot)) else { return Ok(Collected::default()) };
     let live = facts::live_snapshots(pool, tenant.id.as_str()).await?;
     let mut collected = Collected::default();
     loop {
         // A closed version is dead once its closing transaction is visible to the horizon and to
         // every live reader; a current tombstone once its deleting transaction is.
-        let deleted = sqlx::query(
-            "DELETE FROM record_versions WHERE id IN (
+        let deleted = sqlx::query!("DELETE FROM record_versions WHERE id IN (
                  SELECT v.id FROM record_versions v
                  WHERE v.tenant = $1
-                   AND ((v.closed_xid IS NOT NULL AND pg_visible_in_snapshot(v.closed_xid, $2::pg_snapshot)
+                   AND ((v.closed_xid IS NOT NULL AND pg_visible_in_snapshot(v.closed_xid, $2::text::pg_snapshot)
                          AND NOT EXISTS (SELECT 1 FROM unnest($3::text[]) AS s(snap)
                                          WHERE NOT pg_visible_in_snapshot(v.closed_xid, s.snap::pg_snapshot)))
-                     OR (v.data IS NULL AND v.closed_xid IS NULL AND pg_visible_in_snapshot(v.created_xid, $2::pg_snapshot)
+                     OR (v.data IS NULL AND v.closed_xid IS NULL AND pg_visible_in_snapshot(v.created_xid, $2::text::pg_snapshot)
                          AND NOT EXISTS (SELECT 1 FROM unnest($3::text[]) AS s(snap)
                                          WHERE NOT pg_visible_in_snapshot(v.created_xid, s.snap::pg_snapshot))))
-                 LIMIT $4)",
-        )
-        .bind(tenant.id.as_str())
-        .bind(&horizon)
-        .bind(&live)
-        .bind(BATCH)
+                 LIMIT $4)", tenant.id.as_str(), &horizon, &live, BATCH)
         .execute(pool)
         .await?
         .rows_affected();
@@ -64,13 +59,13 @@ pub async fn collect(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sql
     if facts::incremental_unfinished(pool, tenant.id.as_str()).await? {
         return Ok(collected);
     }
-    let windows: i64 = sqlx::query_scalar(
+    let windows: i64 = sqlx::query_scalar!(
         "WITH gone AS (DELETE FROM feed_windows WHERE tenant = $1 AND to_tick < $2 RETURNING id),
          keys AS (DELETE FROM feed_window_keys k USING gone WHERE k.window_id = gone.id)
-         SELECT count(*) FROM gone",
+         SELECT count(*) AS \"collected!\" FROM gone",
+        tenant.id.as_str(),
+        horizon_tick
     )
-    .bind(tenant.id.as_str())
-    .bind(horizon_tick)
     .fetch_one(pool)
     .await?;
     collected.windows = windows as u64;
@@ -80,12 +75,12 @@ pub async fn collect(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sql
 /// Ticks before the oldest horizon of all tenants that no window starts or ends at (a reader
 /// inside a shared window finds it by its start tick).
 pub async fn collect_ticks(pool: &PgPool, oldest_cutoff: OffsetDateTime) -> sqlx::Result<u64> {
-    Ok(sqlx::query(
+    Ok(sqlx::query!(
         "DELETE FROM feed_ticks t WHERE t.created_at < $1
            AND t.id < (SELECT max(id) FROM feed_ticks WHERE created_at <= $1)
            AND NOT EXISTS (SELECT 1 FROM feed_windows w WHERE w.to_tick = t.id OR w.from_tick = t.id)",
+        oldest_cutoff
     )
-    .bind(oldest_cutoff)
     .execute(pool)
     .await?
     .rows_affected())

@@ -11,13 +11,14 @@ const TICKER_LOCK: i64 = 0x6578_7064_7469_636b;
 /// standby's snapshot lacks the in-progress list). Returns the new tick's id.
 pub async fn tick(pool: &PgPool, min_gap: Duration) -> sqlx::Result<Option<i64>> {
     let mut tx = pool.begin().await?;
-    let locked: bool =
-        sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)").bind(TICKER_LOCK).fetch_one(&mut *tx).await?;
+    let locked: bool = sqlx::query_scalar!(r#"SELECT pg_try_advisory_xact_lock($1) AS "locked!""#, TICKER_LOCK)
+        .fetch_one(&mut *tx)
+        .await?;
     if !locked {
         return Ok(None);
     }
     // Ticks must be monotone: each new snapshot sees everything the previous one saw.
-    let id: Option<i64> = sqlx::query_scalar(
+    let id: Option<i64> = sqlx::query_scalar!(
         "INSERT INTO feed_ticks (snapshot)
          SELECT pg_current_snapshot()
          WHERE NOT EXISTS (SELECT 1 FROM feed_ticks
@@ -25,8 +26,8 @@ pub async fn tick(pool: &PgPool, min_gap: Duration) -> sqlx::Result<Option<i64>>
            AND coalesce((SELECT exportd_snapshot_dominates(pg_current_snapshot(), snapshot)
                          FROM feed_ticks ORDER BY id DESC LIMIT 1), true)
          RETURNING id",
+        min_gap.as_secs_f64() * 1000.0
     )
-    .bind(min_gap.as_secs_f64() * 1000.0)
     .fetch_optional(&mut *tx)
     .await?;
     tx.commit().await?;

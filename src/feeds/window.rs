@@ -9,7 +9,7 @@ use time::OffsetDateTime;
 /// The id of a window with no changes, which is never stored.
 pub const EMPTY: i64 = 0;
 
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Window {
     /// [`EMPTY`] for a window without changes (not stored).
     pub id: i64,
@@ -20,7 +20,6 @@ pub struct Window {
     pub from_tick: Option<i64>,
     /// Where this reader reads the window from: its own position, which sees everything
     /// `from_snapshot` sees. Keys changed before it are not this reader's changes.
-    #[sqlx(skip)]
     pub start: String,
     /// The end tick's snapshot; the next window starts here.
     pub to_snapshot: String,
@@ -35,14 +34,16 @@ impl Window {
     }
 }
 
-/// A query of windows meeting `$conditions`, with the columns of [`Window`].
+/// `query_as!` of [`Window`]s meeting `$conditions`, each read from its own start.
 macro_rules! select_windows {
-    ($conditions:literal) => {
-        concat!(
-            "SELECT w.id, w.from_snapshot, w.from_tick, t.snapshot::text AS to_snapshot, w.to_tick,
-                    t.created_at AS to_created_at, w.keys
-             FROM feed_windows w JOIN feed_ticks t ON t.id = w.to_tick WHERE ",
-            $conditions
+    ($conditions:literal $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            Window,
+            r#"SELECT w.id, w.from_snapshot, w.from_tick, w.from_snapshot AS "start!", t.snapshot::text AS "to_snapshot!",
+                      w.to_tick, t.created_at AS to_created_at, w.keys
+               FROM feed_windows w JOIN feed_ticks t ON t.id = w.to_tick WHERE "#
+                + $conditions
+            $(, $arg)*
         )
     };
 }
@@ -74,10 +75,7 @@ pub async fn newest_sealed_tick(
     safety_delay_seconds: u32,
 ) -> sqlx::Result<Option<i64>> {
     let sealed_before = now - time::Duration::seconds(i64::from(safety_delay_seconds));
-    sqlx::query_scalar("SELECT max(id) FROM feed_ticks WHERE created_at <= $1")
-        .bind(sealed_before)
-        .fetch_one(pool)
-        .await
+    sqlx::query_scalar!("SELECT max(id) FROM feed_ticks WHERE created_at <= $1", sealed_before).fetch_one(pool).await
 }
 
 /// The window a reader at `from` reads next: the exact-start window cut from `from` if there is
@@ -111,8 +109,7 @@ pub async fn next_window(
 /// The window of a stored chain position, read from `from` if `from` lies in it (the chain's
 /// first window), else from the window's own start.
 pub async fn window_by_id(pool: &PgPool, id: i64, from: &str) -> sqlx::Result<Option<Window>> {
-    let Some(window) = sqlx::query_as::<_, Window>(select_windows!("w.id = $1")).bind(id).fetch_optional(pool).await?
-    else {
+    let Some(window) = select_windows!("w.id = $1", id).fetch_optional(pool).await? else {
         return Ok(None);
     };
     let start = match window.from_tick {
@@ -132,24 +129,26 @@ pub async fn window_by_id(pool: &PgPool, id: i64, from: &str) -> sqlx::Result<Op
 
 /// The exact-start window cut from `from` (before windows were shared, or before any tick).
 async fn exact_start_window(pool: &PgPool, tenant: &str, dataset: &str, from: &str) -> sqlx::Result<Option<Window>> {
-    sqlx::query_as(select_windows!("w.tenant = $1 AND w.dataset = $2 AND w.from_tick IS NULL AND w.from_snapshot = $3"))
-        .bind(tenant)
-        .bind(dataset)
-        .bind(from)
-        .fetch_optional(pool)
-        .await
+    select_windows!(
+        "w.tenant = $1 AND w.dataset = $2 AND w.from_tick IS NULL AND w.from_snapshot = $3",
+        tenant,
+        dataset,
+        from
+    )
+    .fetch_optional(pool)
+    .await
 }
 
 /// The newest tick `snapshot` sees everything of (at most the one after it can share its xmax).
 async fn newest_tick_seen_by(conn: &mut PgConnection, snapshot: &str) -> sqlx::Result<Option<i64>> {
-    sqlx::query_scalar(
+    sqlx::query_scalar!(
         "SELECT id FROM (SELECT id, snapshot FROM feed_ticks
-                         WHERE pg_snapshot_xmax(snapshot) <= pg_snapshot_xmax($1::pg_snapshot)
+                         WHERE pg_snapshot_xmax(snapshot) <= pg_snapshot_xmax($1::text::pg_snapshot)
                          ORDER BY pg_snapshot_xmax(snapshot) DESC LIMIT 4) t
-         WHERE exportd_snapshot_dominates($1::pg_snapshot, t.snapshot)
+         WHERE exportd_snapshot_dominates($1::text::pg_snapshot, t.snapshot)
          ORDER BY id DESC LIMIT 1",
+        snapshot
     )
-    .bind(snapshot)
     .fetch_optional(conn)
     .await
 }
@@ -162,12 +161,12 @@ async fn shared_window_at(
     dataset: &str,
     base: i64,
 ) -> sqlx::Result<Option<Window>> {
-    sqlx::query_as(select_windows!(
-        "w.tenant = $1 AND w.dataset = $2 AND w.from_tick IS NOT NULL AND w.to_tick > $3 ORDER BY w.to_tick LIMIT 1"
-    ))
-    .bind(tenant)
-    .bind(dataset)
-    .bind(base)
+    select_windows!(
+        "w.tenant = $1 AND w.dataset = $2 AND w.from_tick IS NOT NULL AND w.to_tick > $3 ORDER BY w.to_tick LIMIT 1",
+        tenant,
+        dataset,
+        base
+    )
     .fetch_optional(conn)
     .await
 }
@@ -192,12 +191,14 @@ async fn cut(pool: &PgPool, tenant: &str, dataset: &str, start: Start<'_>, seal:
     let (sealed_before, up_to) = seal.bounds();
     let (from_tick, after_tick, until_tick, exact_from) = match start {
         Start::Shared { tick } => {
-            sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2 || '/' || $3))")
-                .bind(CUT_LOCK_CLASS)
-                .bind(tenant)
-                .bind(dataset)
-                .execute(&mut *tx)
-                .await?;
+            sqlx::query!(
+                "SELECT pg_advisory_xact_lock($1, hashtext($2 || '/' || $3))",
+                CUT_LOCK_CLASS,
+                tenant,
+                dataset
+            )
+            .execute(&mut *tx)
+            .await?;
             // Another reader may have cut it while this one waited.
             let following = shared_window_at(&mut tx, tenant, dataset, tick).await?;
             match following {
@@ -212,43 +213,37 @@ async fn cut(pool: &PgPool, tenant: &str, dataset: &str, start: Start<'_>, seal:
         }
         Start::Exact(from) => (None, None, None, Some(from)),
     };
-    let end: Option<(i64, String, OffsetDateTime)> = sqlx::query_as(
-        "SELECT id, snapshot::text, created_at FROM feed_ticks
-         WHERE ($1::bigint IS NULL OR id > $1) AND ($2::bigint IS NULL OR id <= $2)
-           AND ($3::timestamptz IS NULL OR created_at <= $3) AND ($4::bigint IS NULL OR id <= $4)
-           AND ($5::text IS NULL OR (snapshot::text <> $5 AND exportd_snapshot_dominates(snapshot, $5::pg_snapshot)))
-         ORDER BY id DESC LIMIT 1",
+    let end = sqlx::query!(
+        r#"SELECT id, snapshot::text AS "snapshot!", created_at FROM feed_ticks
+           WHERE ($1::bigint IS NULL OR id > $1) AND ($2::bigint IS NULL OR id <= $2)
+             AND ($3::timestamptz IS NULL OR created_at <= $3) AND ($4::bigint IS NULL OR id <= $4)
+             AND ($5::text IS NULL OR (snapshot::text <> $5 AND exportd_snapshot_dominates(snapshot, $5::pg_snapshot)))
+           ORDER BY id DESC LIMIT 1"#,
+        after_tick,
+        until_tick,
+        sealed_before,
+        up_to,
+        exact_from,
     )
-    .bind(after_tick)
-    .bind(until_tick)
-    .bind(sealed_before)
-    .bind(up_to)
-    .bind(exact_from)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((end, to_snapshot, to_created_at)) = end else { return Ok(None) };
+    let Some((end, to_snapshot, to_created_at)) = end.map(|e| (e.id, e.snapshot, e.created_at)) else {
+        return Ok(None);
+    };
     let from_snapshot: String = match (exact_from, from_tick) {
         (Some(from), _) => from.to_owned(),
         (None, tick) => {
-            sqlx::query_scalar("SELECT snapshot::text FROM feed_ticks WHERE id = $1")
-                .bind(tick)
+            sqlx::query_scalar!(r#"SELECT snapshot::text AS "snapshot!" FROM feed_ticks WHERE id = $1"#, tick)
                 .fetch_one(&mut *tx)
                 .await?
         }
     };
     // Compiling the cut's plan (JIT, chosen for its million-row estimates) costs more than it saves.
-    sqlx::query("SET LOCAL jit = off").execute(&mut *tx).await?;
+    sqlx::query!("SET LOCAL jit = off").execute(&mut *tx).await?;
     // Two readers cutting the same exact-start window: the second waits here on the unique index
     // and then finds the first one's.
-    let created: Option<i64> = sqlx::query_scalar(
-        "INSERT INTO feed_windows (tenant, dataset, from_snapshot, from_tick, to_tick, keys) VALUES ($1, $2, $3, $4, $5, 0)
-         ON CONFLICT DO NOTHING RETURNING id",
-    )
-    .bind(tenant)
-    .bind(dataset)
-    .bind(&from_snapshot)
-    .bind(from_tick)
-    .bind(end)
+    let created: Option<i64> = sqlx::query_scalar!("INSERT INTO feed_windows (tenant, dataset, from_snapshot, from_tick, to_tick, keys) VALUES ($1, $2, $3, $4, $5, 0)
+         ON CONFLICT DO NOTHING RETURNING id", tenant, dataset, &from_snapshot, from_tick, end)
     .fetch_optional(&mut *tx)
     .await?;
     let Some(id) = created else {
@@ -274,7 +269,7 @@ async fn cut(pool: &PgPool, tenant: &str, dataset: &str, start: Start<'_>, seal:
         tx.rollback().await?;
         return Ok(Some(Window { id: EMPTY, ..window }));
     }
-    sqlx::query("UPDATE feed_windows SET keys = $2 WHERE id = $1").bind(id).bind(keys as i64).execute(&mut *tx).await?;
+    sqlx::query!("UPDATE feed_windows SET keys = $2 WHERE id = $1", id, keys as i64).execute(&mut *tx).await?;
     tx.commit().await?;
     Ok(Some(window))
 }
@@ -292,8 +287,8 @@ async fn store_changed_keys(
     from: &str,
     end: i64,
 ) -> sqlx::Result<u64> {
-    Ok(sqlx::query(
-        "WITH bounds AS (SELECT $4::pg_snapshot AS a, snapshot AS b FROM feed_ticks WHERE id = $5),
+    Ok(sqlx::query!(
+        "WITH bounds AS (SELECT $4::text::pg_snapshot AS a, snapshot AS b FROM feed_ticks WHERE id = $5),
          changed AS (
              SELECT v.key, v.id, v.created_xid, v.closed_xid FROM record_versions v, bounds
              WHERE v.tenant = $2 AND v.dataset = $3
@@ -308,12 +303,12 @@ async fn store_changed_keys(
            AND NOT pg_visible_in_snapshot(c.created_xid, bounds.a)
          ORDER BY c.key
          ON CONFLICT ON CONSTRAINT feed_window_keys_pkey DO NOTHING",
+        window,
+        tenant,
+        dataset,
+        from,
+        end
     )
-    .bind(window)
-    .bind(tenant)
-    .bind(dataset)
-    .bind(from)
-    .bind(end)
     .execute(tx)
     .await?
     .rows_affected())

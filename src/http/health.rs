@@ -23,7 +23,7 @@ pub struct Health {
 #[utoipa::path(get, path = "/healthz", tag = "operations",
     responses((status = 200, body = Health), (status = 503, description = "database unreachable")))]
 async fn healthz(State(state): State<AppState>) -> ApiResult<axum::Json<Health>> {
-    sqlx::query("SELECT 1").execute(&state.pool).await.map_err(|e| {
+    sqlx::query!("SELECT 1 AS one").fetch_one(&state.pool).await.map_err(|e| {
         tracing::warn!(error = %e, "health check: database unreachable");
         ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "database-unavailable", "the database does not answer")
     })?;

@@ -27,11 +27,11 @@ pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> ApiRe
     let now = OffsetDateTime::now_utc();
     for tenant in state.registry.tenants() {
         for export_state in ExportState::ALL {
-            let row = rows.iter().find(|r| r.0 == tenant.id.as_str() && r.1 == export_state.as_str());
+            let row = rows.iter().find(|r| r.tenant == tenant.id.as_str() && r.state == export_state);
             let labels = [("tenant", tenant.id.to_string()), ("state", export_state.as_str().to_owned())];
-            metrics::gauge!("exportd_exports", &labels).set(row.map_or(0.0, |r| r.2 as f64));
+            metrics::gauge!("exportd_exports", &labels).set(row.map_or(0.0, |r| r.count as f64));
             if !export_state.is_terminal() {
-                let age = row.and_then(|r| r.3).map_or(0.0, |at| (now - at).as_seconds_f64().max(0.0));
+                let age = row.and_then(|r| r.oldest).map_or(0.0, |at| (now - at).as_seconds_f64().max(0.0));
                 metrics::gauge!("exportd_export_oldest_age_seconds", &labels).set(age);
             }
         }

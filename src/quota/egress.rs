@@ -24,15 +24,15 @@ pub async fn admit_download(
     let mut tx = pool.begin().await?;
     crate::quota::lock_tenant(&mut tx, tenant.id.as_str()).await?;
     let wanted = event.bytes.unwrap_or(0);
-    let admitted = sqlx::query(
+    let admitted = sqlx::query!(
         "UPDATE tenant_usage SET egress_day = $2,
              egress_bytes = CASE WHEN egress_day = $2 THEN egress_bytes ELSE 0 END + $3
          WHERE tenant = $1 AND CASE WHEN egress_day = $2 THEN egress_bytes ELSE 0 END + $3 <= $4",
+        tenant.id.as_str(),
+        now.date(),
+        wanted as i64,
+        i64::try_from(tenant.quota.egress_bytes_per_day).unwrap_or(i64::MAX),
     )
-    .bind(tenant.id.as_str())
-    .bind(now.date())
-    .bind(wanted as i64)
-    .bind(i64::try_from(tenant.quota.egress_bytes_per_day).unwrap_or(i64::MAX))
     .execute(&mut *tx)
     .await?;
     if admitted.rows_affected() == 0 {
@@ -48,11 +48,12 @@ pub async fn admit_download(
 
 /// Bytes downloaded today (UTC) by the tenant's principals.
 pub async fn egress_today(pool: &PgPool, tenant: &str, now: OffsetDateTime) -> sqlx::Result<i64> {
-    let bytes: Option<i64> =
-        sqlx::query_scalar("SELECT egress_bytes FROM tenant_usage WHERE tenant = $1 AND egress_day = $2")
-            .bind(tenant)
-            .bind(now.date())
-            .fetch_optional(pool)
-            .await?;
+    let bytes: Option<i64> = sqlx::query_scalar!(
+        "SELECT egress_bytes FROM tenant_usage WHERE tenant = $1 AND egress_day = $2",
+        tenant,
+        now.date()
+    )
+    .fetch_optional(pool)
+    .await?;
     Ok(bytes.unwrap_or(0))
 }

@@ -18,11 +18,11 @@ pub use scan::ScanLimits;
 /// decision of one tenant (queued exports, stored bytes, egress) then counts after the previous.
 /// It is the first row lock of any transaction that takes it (lock order: [`crate::exports::store`]).
 pub async fn lock_tenant(tx: &mut sqlx::PgConnection, tenant: &str) -> sqlx::Result<()> {
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO tenant_usage (tenant) VALUES ($1)
          ON CONFLICT ON CONSTRAINT tenant_usage_pkey DO UPDATE SET tenant = EXCLUDED.tenant",
+        tenant,
     )
-    .bind(tenant)
     .execute(tx)
     .await?;
     Ok(())

@@ -118,10 +118,10 @@ pub async fn count_now(pool: &PgPool, tenant: &TenantId, kind: RefusalKind) -> s
 
 /// Adds counts to today's and this hour's rows per tenant and kind (UTC) and to the tenants' totals.
 async fn add(pool: &PgPool, counts: &[(&TenantId, RefusalKind, u64)]) -> sqlx::Result<()> {
-    let tenants: Vec<&str> = counts.iter().map(|(t, _, _)| t.as_str()).collect();
-    let kinds: Vec<&str> = counts.iter().map(|(_, k, _)| k.as_str()).collect();
+    let tenants: Vec<String> = counts.iter().map(|(t, _, _)| t.to_string()).collect();
+    let kinds: Vec<String> = counts.iter().map(|(_, k, _)| k.as_str().to_owned()).collect();
     let ns: Vec<i64> = counts.iter().map(|(_, _, n)| *n as i64).collect();
-    sqlx::query(
+    sqlx::query!(
         "WITH counts AS (SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS c(tenant, kind, n, at)),
          daily AS (
              INSERT INTO tenant_refusals (tenant, day, kind, count)
@@ -137,10 +137,10 @@ async fn add(pool: &PgPool, counts: &[(&TenantId, RefusalKind, u64)]) -> sqlx::R
          ON CONFLICT ON CONSTRAINT tenant_usage_pkey DO UPDATE
          SET rate_limited = tenant_usage.rate_limited + EXCLUDED.rate_limited,
              quota_rejections = tenant_usage.quota_rejections + EXCLUDED.quota_rejections",
+        &tenants,
+        &kinds,
+        &ns,
     )
-    .bind(&tenants)
-    .bind(&kinds)
-    .bind(&ns)
     .execute(pool)
     .await?;
     Ok(())
@@ -148,15 +148,13 @@ async fn add(pool: &PgPool, counts: &[(&TenantId, RefusalKind, u64)]) -> sqlx::R
 
 /// This tenant's durable refusals of one UTC day, per kind (every kind present).
 pub async fn of_day(pool: &PgPool, tenant: &TenantId, day: time::Date) -> sqlx::Result<Vec<(RefusalKind, i64)>> {
-    let rows: Vec<(String, i64)> =
-        sqlx::query_as("SELECT kind, count FROM tenant_refusals WHERE tenant = $1 AND day = $2")
-            .bind(tenant.as_str())
-            .bind(day)
+    let rows =
+        sqlx::query!("SELECT kind, count FROM tenant_refusals WHERE tenant = $1 AND day = $2", tenant.as_str(), day)
             .fetch_all(pool)
             .await?;
     Ok(RefusalKind::ALL
         .iter()
-        .map(|&kind| (kind, rows.iter().find(|(k, _)| k == kind.as_str()).map_or(0, |(_, n)| *n)))
+        .map(|&kind| (kind, rows.iter().find(|r| r.kind == kind.as_str()).map_or(0, |r| r.count)))
         .collect())
 }
 
@@ -170,10 +168,8 @@ pub const HOURS_KEPT_DAYS: i64 = 90;
 /// than the usage history (the cleaner's pass).
 pub async fn collect(pool: &PgPool, now: time::OffsetDateTime) -> sqlx::Result<u64> {
     let oldest = (now - time::Duration::days(KEPT_DAYS)).date();
-    let hours = sqlx::query("DELETE FROM tenant_refusal_hours WHERE hour < $1")
-        .bind(now - time::Duration::days(HOURS_KEPT_DAYS))
-        .execute(pool)
-        .await?;
-    let days = sqlx::query("DELETE FROM tenant_refusals WHERE day < $1").bind(oldest).execute(pool).await?;
+    let hours_before = now - time::Duration::days(HOURS_KEPT_DAYS);
+    let hours = sqlx::query!("DELETE FROM tenant_refusal_hours WHERE hour < $1", hours_before).execute(pool).await?;
+    let days = sqlx::query!("DELETE FROM tenant_refusals WHERE day < $1", oldest).execute(pool).await?;
     Ok(days.rows_affected() + hours.rows_affected())
 }

@@ -70,10 +70,11 @@ pub async fn count(
         tx.commit().await?;
         return Ok((Count { rows, low: rows, high: rows, sampled: false }, records));
     }
-    let pages: i64 =
-        sqlx::query_scalar("SELECT pg_relation_size('record_versions') / current_setting('block_size')::bigint")
-            .fetch_one(&mut *tx)
-            .await?;
+    let pages = sqlx::query_scalar!(
+        r#"SELECT pg_relation_size('record_versions') / current_setting('block_size')::bigint AS "pages!""#
+    )
+    .fetch_one(&mut *tx)
+    .await?;
     let percent = (SAMPLE_PAGES / pages.max(1) as f64 * 100.0).min(100.0);
     let (blocks, sum, sum_of_squares): (i64, f64, f64) = census
         .bind(sqlx::query_as(sqlx::AssertSqlSafe(sql.block_sample())), tenant, dataset)

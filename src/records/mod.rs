@@ -76,13 +76,16 @@ pub async fn write_batch(
     let mut delays = crate::db::retry_delays();
     let mut tries = 1;
     let result = loop {
-        let result = sqlx::query("SELECT exportd_write_batch($1, $2, $3, $4)")
-            .bind(tenant.as_str())
-            .bind(dataset.as_str())
-            .bind(&keys)
-            .bind(&data)
-            .execute(pool)
-            .await;
+        let result = sqlx::query!(
+            "SELECT exportd_write_batch($1, $2, $3, $4)",
+            tenant.as_str(),
+            dataset.as_str(),
+            // Borrowed keys and NULL (delete) elements: the types the statement takes, unchecked.
+            &keys as _,
+            &data as _,
+        )
+        .fetch_one(pool)
+        .await;
         match result {
             // The batch is one statement: a deadlock or serialization victim was rolled back
             // whole, so running it again cannot write anything twice. (A lost connection is
@@ -157,10 +160,9 @@ impl<'a> AsOf<'a> {
         max_bytes: usize,
     ) -> sqlx::Result<(Vec<Record>, bool)> {
         use futures_util::TryStreamExt;
-        let query = sqlx::query_as::<_, Record>(sqlx::AssertSqlSafe(page_sql()));
         let mut tx = in_key_order(pool).await?;
         let (mut rows, mut bytes, mut stopped_early) = (Vec::new(), 0usize, false);
-        let mut stream = self.bind_as_of(query, after, limit).fetch(&mut *tx);
+        let mut stream = page_statement!(checked_page(self, after, limit)).fetch(&mut *tx);
         while let Some(record) = stream.try_next().await? {
             bytes += record.key.len() + record.data.len();
             rows.push(record);
@@ -179,48 +181,128 @@ impl<'a> AsOf<'a> {
     /// a shard of `limit` rows starting after `after` ends. Reads no record data beyond the
     /// filters, so planning an export's shards costs a fraction of writing them.
     pub async fn span(&self, pool: &PgPool, after: Option<&str>, limit: i64) -> sqlx::Result<(i64, Option<String>)> {
-        let query = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-            "SELECT count(*), max(s.key) FROM (
-                 SELECT v.key FROM record_versions v WHERE {AS_OF_AFTER} ORDER BY v.key LIMIT $5) s"
-        )));
         let mut tx = in_key_order(pool).await?;
-        let span = self.bind_as_of(query, after, limit).fetch_one(&mut *tx).await?;
+        let span = as_of_after!(
+            checked_span(
+                r#"SELECT count(*) AS "rows!", max(s.key) AS last_key FROM (SELECT v.key FROM record_versions v WHERE "#,
+                " ORDER BY v.key LIMIT $5) s",
+            ),
+            self,
+            after,
+            limit
+        )
+        .fetch_one(&mut *tx)
+        .await?;
         tx.commit().await?;
-        Ok(span)
+        Ok((span.rows, span.last_key))
     }
 
     /// The plan PostgreSQL uses for [`page`](Self::page), one line per node (`EXPLAIN`, not run).
     /// Diagnostics: shows that pages walk the key index whatever the table's statistics say.
     pub async fn page_plan(&self, pool: &PgPool, after: Option<&str>, limit: i64) -> sqlx::Result<Vec<String>> {
-        let query = sqlx::query_as::<_, (String,)>(sqlx::AssertSqlSafe(format!("EXPLAIN {}", page_sql())));
+        let query = sqlx::query_as::<_, (String,)>(page_statement!(explain()));
         let mut tx = in_key_order(pool).await?;
-        let plan = self.bind_as_of(query, after, limit).fetch_all(&mut *tx).await?;
+        let plan = bind_as_of(query, self, after, limit).fetch_all(&mut *tx).await?;
         tx.commit().await?;
         Ok(plan.into_iter().map(|(line,)| line).collect())
     }
-
-    /// Binds the parameters of [`AS_OF_AFTER`] (`$5` is the caller's `LIMIT`).
-    fn bind_as_of<'q, O>(
-        &'q self,
-        query: QueryAs<'q, Postgres, O, PgArguments>,
-        after: Option<&'q str>,
-        limit: i64,
-    ) -> QueryAs<'q, Postgres, O, PgArguments> {
-        query
-            .bind(self.tenant.as_str())
-            .bind(self.dataset.as_str())
-            .bind(self.snapshot.as_str())
-            .bind(after.unwrap_or(""))
-            .bind(limit)
-            .bind(non_null(self.filters[0]))
-            .bind(non_null(self.filters[1]))
-    }
 }
 
-/// A keyset page: the records after key `$4`, in key order, at most `$5`.
-fn page_sql() -> String {
-    format!("SELECT v.key, v.data::text AS data FROM record_versions v WHERE {AS_OF_AFTER} ORDER BY v.key LIMIT $5")
+/// Binds the parameters of [`as_of_after!`] at runtime (`$5` is the caller's `LIMIT`).
+fn bind_as_of<'q, O>(
+    query: QueryAs<'q, Postgres, O, PgArguments>,
+    as_of: &'q AsOf<'_>,
+    after: Option<&'q str>,
+    limit: i64,
+) -> QueryAs<'q, Postgres, O, PgArguments> {
+    query
+        .bind(as_of.tenant.as_str())
+        .bind(as_of.dataset.as_str())
+        .bind(as_of.snapshot.as_str())
+        .bind(after.unwrap_or(""))
+        .bind(limit)
+        .bind(non_null(as_of.filters[0]))
+        .bind(non_null(as_of.filters[1]))
 }
+
+/// Calls `$then!` with the statement `$before`, the conditions of "the records of tenant `$1`,
+/// dataset `$2` as of snapshot `$3`, after key `$4`, containing the filters `$6` and `$7` (each
+/// may be NULL)", then `$after` — three literals joined by `+`, as `query!` takes them — followed
+/// by the bound values of `$as_of`. One spelling of the conditions for every reader.
+macro_rules! as_of_after {
+    ($then:ident($before:literal, $after:literal $(,)?) $(, $as_of:expr, $after_key:expr, $limit:expr)? $(,)?) => {
+        $then!(
+            $before
+                + "v.tenant = $1 AND v.dataset = $2 AND v.key > $4
+                   AND exportd_live_at(v.created_xid, v.closed_xid, $3::text::pg_snapshot)
+                   AND v.data IS NOT NULL
+                   AND ($6::jsonb IS NULL OR v.data @> $6)
+                   AND ($7::jsonb IS NULL OR v.data @> $7)"
+                + $after
+            $(, $as_of, $after_key, $limit)?
+        )
+    };
+}
+use as_of_after;
+
+/// Calls `$then!` (see [`as_of_after!`]) with the keyset page: the records after key `$4`, in
+/// key order, at most `$5`. The page is read checked at compile time; its plan is explained
+/// from the same text.
+macro_rules! page_statement {
+    ($then:ident($($as_of:expr, $after_key:expr, $limit:expr)?)) => {
+        as_of_after!(
+            $then(r#"SELECT v.key, v.data::text AS "data!" FROM record_versions v WHERE "#, " ORDER BY v.key LIMIT $5"),
+            $($as_of, $after_key, $limit)?
+        )
+    };
+}
+use page_statement;
+
+/// `query_as!` of `$row`s over [`as_of_after!`]'s statement, binding `$as_of`'s values.
+macro_rules! checked_as_of {
+    ($row:ident, $sql:expr, $as_of:expr, $after_key:expr, $limit:expr) => {
+        sqlx::query_as!(
+            $row,
+            $sql,
+            $as_of.tenant.as_str(),
+            $as_of.dataset.as_str(),
+            $as_of.snapshot.as_str(),
+            $after_key.unwrap_or(""),
+            $limit,
+            non_null($as_of.filters[0]),
+            non_null($as_of.filters[1]),
+        )
+    };
+}
+use checked_as_of;
+
+macro_rules! checked_page {
+    ($sql:expr, $($rest:tt)*) => {
+        checked_as_of!(Record, $sql, $($rest)*)
+    };
+}
+use checked_page;
+
+macro_rules! checked_span {
+    ($sql:expr, $($rest:tt)*) => {
+        checked_as_of!(Span, $sql, $($rest)*)
+    };
+}
+use checked_span;
+
+/// Where a shard of at most `$5` rows after key `$4` ends: how many rows, and the last key.
+struct Span {
+    rows: i64,
+    last_key: Option<String>,
+}
+
+/// `EXPLAIN` of a statement given as three literals (see [`as_of_after!`]), run unchecked.
+macro_rules! explain {
+    ($a:literal + $b:literal + $c:literal) => {
+        sqlx::AssertSqlSafe(concat!("EXPLAIN ", $a, $b, $c))
+    };
+}
+use explain;
 
 /// Reads that must walk `record_versions_by_key` in key order run in a short transaction of their
 /// own with these settings. Whatever the statistics say: on a table PostgreSQL has never
@@ -235,14 +317,6 @@ pub(crate) async fn in_key_order(pool: &PgPool) -> sqlx::Result<sqlx::Transactio
     sqlx::raw_sql(WALK_THE_KEY_INDEX).execute(&mut *tx).await?;
     Ok(tx)
 }
-
-/// The records of tenant `$1`, dataset `$2` as of snapshot `$3`, after key `$4`, containing
-/// the filters `$6` and `$7` (each may be NULL).
-const AS_OF_AFTER: &str = "v.tenant = $1 AND v.dataset = $2 AND v.key > $4
-    AND exportd_live_at(v.created_xid, v.closed_xid, $3::pg_snapshot)
-    AND v.data IS NOT NULL
-    AND ($6::jsonb IS NULL OR v.data @> $6)
-    AND ($7::jsonb IS NULL OR v.data @> $7)";
 
 fn non_null(filter: &Value) -> Option<&Value> {
     match filter {

@@ -34,6 +34,8 @@ pub async fn seed(
 ) -> anyhow::Result<SeedReport> {
     let began = Instant::now();
     let mut tx = pool.begin().await?;
+    // Runtime SQL (not `query!`): the statements read a temporary table, which the compile-time
+    // check cannot see.
     sqlx::query("CREATE TEMP TABLE seed_rows (key text COLLATE \"C\" NOT NULL, data jsonb NOT NULL) ON COMMIT DROP")
         .execute(&mut *tx)
         .await?;

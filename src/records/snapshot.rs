@@ -14,7 +14,8 @@ impl Snapshot {
     /// `pg_current_snapshot()` of the executor's transaction. Take it on the primary: a hot
     /// standby reports an empty in-progress list.
     pub async fn current<'e>(executor: impl PgExecutor<'e>) -> sqlx::Result<Snapshot> {
-        let text: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text").fetch_one(executor).await?;
+        let text =
+            sqlx::query_scalar!(r#"SELECT pg_current_snapshot()::text AS "snapshot!""#).fetch_one(executor).await?;
         Snapshot::parse(&text).map_err(sqlx::Error::Protocol)
     }
 

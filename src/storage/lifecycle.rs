@@ -111,13 +111,15 @@ async fn record(
     files: u64,
     bytes: u64,
 ) -> sqlx::Result<()> {
-    sqlx::query("INSERT INTO storage_reclaims (tenant, export_id, reason, files, bytes) VALUES ($1, $2, $3, $4, $5)")
-        .bind(tenant)
-        .bind(export_id)
-        .bind(reason)
-        .bind(files as i32)
-        .bind(bytes as i64)
-        .execute(pool)
-        .await?;
+    sqlx::query!(
+        "INSERT INTO storage_reclaims (tenant, export_id, reason, files, bytes) VALUES ($1, $2, $3, $4, $5)",
+        tenant,
+        export_id,
+        reason,
+        files as i32,
+        bytes as i64,
+    )
+    .execute(pool)
+    .await?;
     Ok(())
 }

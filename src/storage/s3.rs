@@ -179,16 +179,17 @@ impl S3 {
 
     /// Aborts uploads whose writer has not sent a part for `age`. Returns how many.
     pub(super) async fn sweep_abandoned(&self, age: Duration) -> StoreResult<(u64, u64)> {
-        let stale: Vec<(String, String)> = sqlx::query_as(
+        let stale = sqlx::query!(
             "SELECT upload_id, object_path FROM pending_uploads WHERE touched_at < now() - make_interval(secs => $1)",
+            age.as_secs_f64(),
         )
-        .bind(age.as_secs_f64())
         .fetch_all(&self.pool)
         .await
         .map_err(|e| StoreError::Unavailable(format!("listing pending uploads: {e}")))?;
         let mut aborted = 0;
-        for (upload_id, path) in stale {
-            match self.store.abort_multipart(&Path::from(path), &upload_id).await {
+        for upload in stale {
+            let upload_id = upload.upload_id;
+            match self.store.abort_multipart(&Path::from(upload.object_path), &upload_id).await {
                 Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                 Err(e) => return Err(e.into()),
             }
@@ -244,9 +245,8 @@ impl RemoteWriter {
             Some(upload) => upload.clone(),
             None => {
                 let upload = self.s3.store.create_multipart(&self.path).await?;
-                sqlx::query("INSERT INTO pending_uploads (upload_id, object_path) VALUES ($1, $2)")
-                    .bind(&upload)
-                    .bind(self.path.as_ref())
+                let path: &str = self.path.as_ref();
+                sqlx::query!("INSERT INTO pending_uploads (upload_id, object_path) VALUES ($1, $2)", upload, path)
                     .execute(&self.s3.pool)
                     .await
                     .map_err(|e| StoreError::Unavailable(format!("registering an upload: {e}")))?;
@@ -266,8 +266,7 @@ impl RemoteWriter {
             async move {
                 let part = s3.store.put_part(&path, &upload, index, payload).await?;
                 // A part was sent: the writer is alive (see `sweep_abandoned`).
-                let _ = sqlx::query("UPDATE pending_uploads SET touched_at = now() WHERE upload_id = $1")
-                    .bind(&upload)
+                let _ = sqlx::query!("UPDATE pending_uploads SET touched_at = now() WHERE upload_id = $1", upload)
                     .execute(&s3.pool)
                     .await;
                 Ok((index, part))
@@ -316,8 +315,7 @@ impl std::io::Write for RemoteWriter {
 }
 
 async fn forget_upload(pool: &PgPool, upload: &str) -> StoreResult<()> {
-    sqlx::query("DELETE FROM pending_uploads WHERE upload_id = $1")
-        .bind(upload)
+    sqlx::query!("DELETE FROM pending_uploads WHERE upload_id = $1", upload)
         .execute(pool)
         .await
         .map_err(|e| StoreError::Unavailable(format!("forgetting an upload: {e}")))?;

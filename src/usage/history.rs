@@ -64,7 +64,7 @@ impl Granularity {
 
 /// One bucket of a tenant's history. Days sum their hours' counters and keep their hours'
 /// highest gauges and duration percentiles.
-#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Point {
     #[serde(with = "time::serde::rfc3339")]
     pub start: OffsetDateTime,
@@ -77,7 +77,6 @@ pub struct Point {
     pub export_seconds_p50: Option<f64>,
     pub export_seconds_p95: Option<f64>,
     /// Refusals per kind; every kind present.
-    #[sqlx(json)]
     pub refusals: BTreeMap<String, i64>,
     pub stored_bytes_max: i64,
     pub queued_max: i64,
@@ -90,35 +89,20 @@ pub struct Point {
 pub async fn record(pool: &PgPool, tenants: &[&str]) -> sqlx::Result<bool> {
     let tenants: Vec<String> = tenants.iter().map(|t| (*t).to_owned()).collect();
     let mut tx = pool.begin().await?;
-    let locked: bool =
-        sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)").bind(RECORD_LOCK).fetch_one(&mut *tx).await?;
+    let locked: bool = sqlx::query_scalar!(r#"SELECT pg_try_advisory_xact_lock($1) AS "locked!""#, RECORD_LOCK)
+        .fetch_one(&mut *tx)
+        .await?;
     if !locked {
         return Ok(false);
     }
-    let current: OffsetDateTime =
-        sqlx::query_scalar("SELECT date_trunc('hour', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'")
+    let current =
+        sqlx::query_scalar!(r#"SELECT date_trunc('hour', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' AS "hour!""#)
             .fetch_one(&mut *tx)
             .await?;
     for (hour, sample_gauges) in [(current - time::Duration::HOUR, false), (current, true)] {
         let finished = facts::finished_in_hour(&mut tx, hour, &tenants).await?;
         let gauges = if sample_gauges { facts::gauges(&mut tx, &tenants).await? } else { Vec::new() };
-        sqlx::query(RECORD_HOUR)
-            .bind(hour)
-            .bind(&tenants)
-            .bind(finished.iter().map(|f| f.tenant.as_str()).collect::<Vec<_>>())
-            .bind(finished.iter().map(|f| f.rows).collect::<Vec<_>>())
-            .bind(finished.iter().map(|f| f.succeeded).collect::<Vec<_>>())
-            .bind(finished.iter().map(|f| f.failed).collect::<Vec<_>>())
-            .bind(finished.iter().map(|f| f.cancelled).collect::<Vec<_>>())
-            .bind(finished.iter().map(|f| f.p50).collect::<Vec<_>>())
-            .bind(finished.iter().map(|f| f.p95).collect::<Vec<_>>())
-            .bind(gauges.iter().map(|g| g.tenant.as_str()).collect::<Vec<_>>())
-            .bind(gauges.iter().map(|g| g.stored_bytes).collect::<Vec<_>>())
-            .bind(gauges.iter().map(|g| g.queued).collect::<Vec<_>>())
-            .bind(gauges.iter().map(|g| g.running).collect::<Vec<_>>())
-            .bind(gauges.iter().map(|g| g.oldest_queued_seconds).collect::<Vec<_>>())
-            .execute(&mut *tx)
-            .await?;
+        record_hour(&mut tx, hour, &tenants, &finished, &gauges).await?;
     }
     tx.commit().await?;
     Ok(true)
@@ -139,10 +123,17 @@ pub async fn run_recording(pool: PgPool, tenants: Vec<String>, mut shutdown: tok
     }
 }
 
-/// One hour (`$1`) of tenants `$2`: egress and refusals read here, the exports that finished
-/// (`$3`–`$9`) and the export gauges (`$10`–`$14`, none when not sampled) as the export store
-/// gave them.
-const RECORD_HOUR: &str = "
+/// Writes one hour of tenants `tenants`: egress and refusals read here, the exports that
+/// finished and the export gauges (none when not sampled) as the export store gave them.
+async fn record_hour(
+    tx: &mut sqlx::PgConnection,
+    hour: OffsetDateTime,
+    tenants: &[String],
+    finished: &[facts::FinishedInHour],
+    gauges: &[facts::Gauges],
+) -> sqlx::Result<()> {
+    sqlx::query!(
+        "
 WITH tenants AS (SELECT DISTINCT unnest($2::text[]) AS tenant),
 egress AS (
     SELECT a.tenant, sum(a.bytes)::bigint AS bytes FROM audit_log a
@@ -176,7 +167,26 @@ ON CONFLICT ON CONSTRAINT tenant_usage_hours_pkey DO UPDATE SET
     stored_bytes_max = greatest(h.stored_bytes_max, EXCLUDED.stored_bytes_max),
     queued_max = greatest(h.queued_max, EXCLUDED.queued_max),
     running_max = greatest(h.running_max, EXCLUDED.running_max),
-    oldest_queued_seconds_max = greatest(h.oldest_queued_seconds_max, EXCLUDED.oldest_queued_seconds_max)";
+    oldest_queued_seconds_max = greatest(h.oldest_queued_seconds_max, EXCLUDED.oldest_queued_seconds_max)",
+        hour,
+        tenants,
+        &finished.iter().map(|f| f.tenant.clone()).collect::<Vec<_>>(),
+        &finished.iter().map(|f| f.rows).collect::<Vec<_>>(),
+        &finished.iter().map(|f| f.succeeded).collect::<Vec<_>>(),
+        &finished.iter().map(|f| f.failed).collect::<Vec<_>>(),
+        &finished.iter().map(|f| f.cancelled).collect::<Vec<_>>(),
+        &finished.iter().map(|f| f.p50).collect::<Vec<_>>() as &[Option<f64>],
+        &finished.iter().map(|f| f.p95).collect::<Vec<_>>() as &[Option<f64>],
+        &gauges.iter().map(|g| g.tenant.clone()).collect::<Vec<_>>(),
+        &gauges.iter().map(|g| g.stored_bytes).collect::<Vec<_>>(),
+        &gauges.iter().map(|g| g.queued).collect::<Vec<_>>(),
+        &gauges.iter().map(|g| g.running).collect::<Vec<_>>(),
+        &gauges.iter().map(|g| g.oldest_queued_seconds).collect::<Vec<_>>(),
+    )
+    .execute(tx)
+    .await?;
+    Ok(())
+}
 
 /// The tenant's buckets from `from` to `to` (bucket starts, `to` excluded), every bucket present
 /// (zeros where nothing was recorded).
@@ -187,8 +197,8 @@ pub async fn read(
     from: OffsetDateTime,
     to: OffsetDateTime,
 ) -> sqlx::Result<Vec<Point>> {
-    let mut points: Vec<Point> = sqlx::query_as(
-        "WITH buckets AS (
+    let rows = sqlx::query!(
+        r#"WITH buckets AS (
              -- Stepped in UTC: a day is 24 hours whatever the session's time zone says of DST.
              SELECT s AT TIME ZONE 'UTC' AS start
              FROM generate_series($3::timestamptz AT TIME ZONE 'UTC', $4::timestamptz AT TIME ZONE 'UTC' - interval '1 second',
@@ -196,30 +206,48 @@ pub async fn read(
          kept AS (
              SELECT date_trunc($2, h.hour AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' AS start, h.* FROM tenant_usage_hours h
              WHERE h.tenant = $1 AND h.hour >= $3 AND h.hour < $4)
-         SELECT b.start,
-                coalesce(sum(k.egress_bytes), 0)::bigint AS egress_bytes,
-                coalesce(sum(k.rows_exported), 0)::bigint AS rows_exported,
-                coalesce(sum(k.exports_succeeded), 0)::bigint AS exports_succeeded,
-                coalesce(sum(k.exports_failed), 0)::bigint AS exports_failed,
-                coalesce(sum(k.exports_cancelled), 0)::bigint AS exports_cancelled,
+         SELECT b.start AS "start!",
+                coalesce(sum(k.egress_bytes), 0)::bigint AS "egress_bytes!",
+                coalesce(sum(k.rows_exported), 0)::bigint AS "rows_exported!",
+                coalesce(sum(k.exports_succeeded), 0)::bigint AS "exports_succeeded!",
+                coalesce(sum(k.exports_failed), 0)::bigint AS "exports_failed!",
+                coalesce(sum(k.exports_cancelled), 0)::bigint AS "exports_cancelled!",
                 max(k.export_seconds_p50) AS export_seconds_p50,
                 max(k.export_seconds_p95) AS export_seconds_p95,
                 coalesce((SELECT jsonb_object_agg(e.key, e.n) FROM (
                               SELECT e.key, sum(e.value::bigint) AS n FROM kept k2, jsonb_each_text(k2.refusals) e
-                              WHERE k2.start = b.start GROUP BY e.key) e), '{}') AS refusals,
-                coalesce(max(k.stored_bytes_max), 0)::bigint AS stored_bytes_max,
-                coalesce(max(k.queued_max), 0)::bigint AS queued_max,
-                coalesce(max(k.running_max), 0)::bigint AS running_max,
-                coalesce(max(k.oldest_queued_seconds_max), 0)::bigint AS oldest_queued_seconds_max
+                              WHERE k2.start = b.start GROUP BY e.key) e), '{}') AS "refusals!: sqlx::types::Json<BTreeMap<String, i64>>",
+                coalesce(max(k.stored_bytes_max), 0)::bigint AS "stored_bytes_max!",
+                coalesce(max(k.queued_max), 0)::bigint AS "queued_max!",
+                coalesce(max(k.running_max), 0)::bigint AS "running_max!",
+                coalesce(max(k.oldest_queued_seconds_max), 0)::bigint AS "oldest_queued_seconds_max!"
          FROM buckets b LEFT JOIN kept k ON k.start = b.start
-         GROUP BY b.start ORDER BY b.start",
+         GROUP BY b.start ORDER BY b.start"#,
+        tenant,
+        granularity.unit(),
+        from,
+        to,
     )
-    .bind(tenant)
-    .bind(granularity.unit())
-    .bind(from)
-    .bind(to)
     .fetch_all(pool)
     .await?;
+    let mut points: Vec<Point> = rows
+        .into_iter()
+        .map(|r| Point {
+            start: r.start,
+            egress_bytes: r.egress_bytes,
+            rows_exported: r.rows_exported,
+            exports_succeeded: r.exports_succeeded,
+            exports_failed: r.exports_failed,
+            exports_cancelled: r.exports_cancelled,
+            export_seconds_p50: r.export_seconds_p50,
+            export_seconds_p95: r.export_seconds_p95,
+            refusals: r.refusals.0,
+            stored_bytes_max: r.stored_bytes_max,
+            queued_max: r.queued_max,
+            running_max: r.running_max,
+            oldest_queued_seconds_max: r.oldest_queued_seconds_max,
+        })
+        .collect();
     for point in &mut points {
         for kind in crate::quota::RefusalKind::ALL {
             point.refusals.entry(kind.as_str().to_owned()).or_insert(0);
@@ -231,7 +259,7 @@ pub async fn read(
 /// Deletes hours older than [`KEPT_DAYS`] before `now` (the cleaner's pass).
 pub async fn collect(pool: &PgPool, now: OffsetDateTime) -> sqlx::Result<u64> {
     let oldest = now - time::Duration::days(KEPT_DAYS);
-    Ok(sqlx::query("DELETE FROM tenant_usage_hours WHERE hour < $1").bind(oldest).execute(pool).await?.rows_affected())
+    Ok(sqlx::query!("DELETE FROM tenant_usage_hours WHERE hour < $1", oldest).execute(pool).await?.rows_affected())
 }
 
 #[cfg(test)]

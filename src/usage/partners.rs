@@ -40,25 +40,24 @@ pub async fn activity(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sq
     let id = tenant.id.as_str();
     let since = now - time::Duration::days(WINDOW_DAYS);
     let exports = crate::exports::store::facts::created_per_principal(pool, id, since).await?;
-    let downloads: HashMap<String, (i64, Option<OffsetDateTime>)> =
-        sqlx::query_as::<_, (String, i64, Option<OffsetDateTime>)>(
-            "SELECT principal, coalesce(sum(bytes), 0)::bigint, max(at) FROM audit_log
-             WHERE tenant = $1 AND action = 'downloaded' AND at >= $2 GROUP BY principal",
-        )
-        .bind(id)
-        .bind(since)
-        .fetch_all(pool)
-        .await?
-        .into_iter()
-        .map(|(principal, bytes, last)| (principal, (bytes, last)))
-        .collect();
-    type Standing = (String, String, Option<OffsetDateTime>, Option<OffsetDateTime>, Option<OffsetDateTime>);
-    let standings: Vec<Standing> = sqlx::query_as(
-        "SELECT coalesce(p.principal, c.principal), coalesce(p.dataset, c.dataset), p.position_at, p.last_read_at, c.updated_at
-         FROM (SELECT * FROM feed_positions WHERE tenant = $1) p
-         FULL JOIN (SELECT * FROM feed_cursors WHERE tenant = $1) c ON (c.principal, c.dataset) = (p.principal, p.dataset)",
+    let downloads: HashMap<String, (i64, Option<OffsetDateTime>)> = sqlx::query!(
+        r#"SELECT principal, coalesce(sum(bytes), 0)::bigint AS "bytes!", max(at) AS last FROM audit_log
+               WHERE tenant = $1 AND action = 'downloaded' AND at >= $2 GROUP BY principal"#,
+        id,
+        since,
     )
-    .bind(id)
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .map(|r| (r.principal, (r.bytes, r.last)))
+    .collect();
+    let standings = sqlx::query!(
+        r#"SELECT coalesce(p.principal, c.principal) AS "principal!", coalesce(p.dataset, c.dataset) AS "dataset!",
+                  p.position_at AS "position_at?", p.last_read_at AS "last_read_at?", c.updated_at AS "cursor_stored_at?"
+           FROM (SELECT * FROM feed_positions WHERE tenant = $1) p
+           FULL JOIN (SELECT * FROM feed_cursors WHERE tenant = $1) c ON (c.principal, c.dataset) = (p.principal, p.dataset)"#,
+        id,
+    )
     .fetch_all(pool)
     .await?;
     let threshold = (tenant.feeds.lagging_after_minutes > 0)
@@ -72,9 +71,9 @@ pub async fn activity(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sq
                 .keys()
                 .filter(|dataset| principal.is_granted(dataset))
                 .map(|dataset| {
-                    let found = standings.iter().find(|s| s.0 == name && s.1 == dataset.as_str());
+                    let found = standings.iter().find(|s| s.principal == name && s.dataset == dataset.as_str());
                     let (position_at, last_read_at, cursor_stored_at) =
-                        found.map_or((None, None, None), |s| (s.2, s.3, s.4));
+                        found.map_or((None, None, None), |s| (s.position_at, s.last_read_at, s.cursor_stored_at));
                     let lagging = matches!((position_at, threshold), (Some(at), Some(limit)) if at < limit);
                     FeedStanding { dataset: dataset.to_string(), position_at, last_read_at, cursor_stored_at, lagging }
                 })

@@ -56,14 +56,15 @@ pub async fn usage(pool: &PgPool, tenant: &Tenant, unflushed: &Refusals, now: Of
     let stored_bytes = facts::stored_bytes(pool, id).await?;
     let egress = crate::quota::egress_today(pool, id, now).await?;
     let rows_today = facts::rows_published_since(pool, id, midnight).await?;
-    let (rate_limited, quota_rejections): (i64, i64) = sqlx::query_as(
-        "SELECT coalesce(max(rate_limited), 0), coalesce(max(quota_rejections), 0) FROM tenant_usage WHERE tenant = $1",
+    let counted = sqlx::query!(
+        r#"SELECT coalesce(max(rate_limited), 0) AS "rate_limited!", coalesce(max(quota_rejections), 0) AS "rejections!"
+           FROM tenant_usage WHERE tenant = $1"#,
+        id,
     )
-    .bind(id)
     .fetch_one(pool)
     .await?;
     let mut refusals_today = BTreeMap::new();
-    let (mut rate_limited, mut quota_rejections) = (rate_limited, quota_rejections);
+    let (mut rate_limited, mut quota_rejections) = (counted.rate_limited, counted.rejections);
     for (kind, durable) in refusals::of_day(pool, &tenant.id, now.date()).await? {
         let pending = unflushed.unflushed(&tenant.id, kind) as i64;
         refusals_today.insert(kind.as_str().to_owned(), durable + pending);

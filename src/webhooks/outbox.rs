@@ -25,11 +25,12 @@ pub async fn route(
     retry_for: Duration,
 ) -> sqlx::Result<u64> {
     let mut tx = pool.begin().await?;
-    let events: Vec<EventRow> = sqlx::query_as(
-        "SELECT id, tenant, type, principal, dataset, export_id, data, occurred_at FROM webhook_events
-         WHERE routed_at IS NULL ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED",
+    let events = sqlx::query_as!(
+        EventRow,
+        r#"SELECT id, tenant, type AS kind, principal, dataset, export_id, data, occurred_at FROM webhook_events
+           WHERE routed_at IS NULL ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED"#,
+        ROUTE_BATCH,
     )
-    .bind(ROUTE_BATCH)
     .fetch_all(&mut *tx)
     .await?;
     let mut created = 0;
@@ -39,32 +40,30 @@ pub async fn route(
         let wanting =
             tenant.webhooks.iter().filter(|w| w.wants(kind, event.principal.as_deref(), event.dataset.as_deref()));
         for endpoint in wanting {
-            created += sqlx::query(
+            created += sqlx::query!(
                 "INSERT INTO webhook_deliveries (event_id, tenant, endpoint, body, give_up_at)
                  VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5))
                  ON CONFLICT ON CONSTRAINT webhook_deliveries_once DO NOTHING",
+                event.id,
+                &event.tenant,
+                &endpoint.name,
+                event.body(public_url),
+                retry_for.as_secs_f64()
             )
-            .bind(event.id)
-            .bind(&event.tenant)
-            .bind(&endpoint.name)
-            .bind(event.body(public_url))
-            .bind(retry_for.as_secs_f64())
             .execute(&mut *tx)
             .await?
             .rows_affected();
         }
     }
     let ids: Vec<Uuid> = events.iter().map(|e| e.id).collect();
-    sqlx::query("UPDATE webhook_events SET routed_at = now() WHERE id = ANY($1)").bind(&ids).execute(&mut *tx).await?;
+    sqlx::query!("UPDATE webhook_events SET routed_at = now() WHERE id = ANY($1)", &ids).execute(&mut *tx).await?;
     tx.commit().await?;
     Ok(created)
 }
 
-#[derive(sqlx::FromRow)]
 struct EventRow {
     id: Uuid,
     tenant: String,
-    #[sqlx(rename = "type")]
     kind: String,
     principal: Option<String>,
     dataset: Option<String>,
@@ -118,7 +117,8 @@ pub async fn claim(
     limit: i64,
     per_tenant: i64,
 ) -> sqlx::Result<Vec<Attempt>> {
-    sqlx::query_as(
+    sqlx::query_as!(
+        Attempt,
         "WITH heads AS (
              SELECT DISTINCT ON (tenant, endpoint) id, tenant, next_attempt_at, lease_expires_at
                FROM webhook_deliveries WHERE state = 'pending' ORDER BY tenant, endpoint, seq),
@@ -137,11 +137,11 @@ pub async fn claim(
           WHERE d.id = due.id AND d.state = 'pending'
             AND (d.lease_expires_at IS NULL OR d.lease_expires_at < now())
          RETURNING d.id, d.event_id, d.tenant, d.endpoint, d.body, d.attempts",
+        owner,
+        lease.as_secs_f64(),
+        limit,
+        per_tenant,
     )
-    .bind(owner)
-    .bind(lease.as_secs_f64())
-    .bind(limit)
-    .bind(per_tenant)
     .fetch_all(pool)
     .await
 }
@@ -183,7 +183,7 @@ pub async fn record(
         Outcome::GiveUp { error } => (None, Some(error.as_str()), true),
     };
     let delivered = matches!(outcome, Outcome::Delivered { .. });
-    sqlx::query_scalar(
+    sqlx::query_scalar!(
         "UPDATE webhook_deliveries SET
              state = CASE WHEN $4 THEN 'delivered'
                           WHEN $6 OR now() + make_interval(secs => $7) > give_up_at THEN 'failed'
@@ -193,21 +193,21 @@ pub async fn record(
              last_status = $5, last_error = $8, lease_owner = NULL, lease_expires_at = NULL
          WHERE id = $1 AND attempts = $2 AND lease_owner = $3 AND state = 'pending'
          RETURNING state",
+        attempt.id,
+        attempt.attempts,
+        owner,
+        delivered,
+        status,
+        give_up,
+        retry_after.as_secs_f64(),
+        error
     )
-    .bind(attempt.id)
-    .bind(attempt.attempts)
-    .bind(owner)
-    .bind(delivered)
-    .bind(status)
-    .bind(give_up)
-    .bind(retry_after.as_secs_f64())
-    .bind(error)
     .fetch_optional(pool)
     .await
 }
 
 /// One delivery as a tenant admin sees it.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct DeliveryView {
     pub id: Uuid,
     /// The `webhook-id` header: the same on every attempt.
@@ -232,9 +232,21 @@ pub struct DeliveryView {
     pub seq: i64,
 }
 
-const VIEW_COLUMNS: &str = "d.id, d.event_id, e.type AS event, e.export_id, d.endpoint, d.state, d.attempts,
-    d.last_status, d.last_error, d.last_attempt_at,
-    CASE WHEN d.state = 'pending' THEN d.next_attempt_at END AS next_attempt_at, d.delivered_at, d.created_at, d.seq";
+/// `query_as!` of [`DeliveryView`]s of deliveries `d` joined with their events `e`, then `$rest`.
+macro_rules! select_deliveries {
+    ($rest:literal $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            DeliveryView,
+            "SELECT d.id, d.event_id, e.type AS event, e.export_id, d.endpoint, d.state, d.attempts,
+                    d.last_status, d.last_error, d.last_attempt_at,
+                    CASE WHEN d.state = 'pending' THEN d.next_attempt_at END AS next_attempt_at, d.delivered_at,
+                    d.created_at, d.seq
+             FROM webhook_deliveries d JOIN webhook_events e ON e.id = d.event_id "
+                + $rest
+            $(, $arg)*
+        )
+    };
+}
 
 /// Which deliveries to list.
 #[derive(Debug, Default)]
@@ -254,20 +266,19 @@ pub async fn list(
     filter: &DeliveryFilter<'_>,
     limit: u32,
 ) -> sqlx::Result<(Vec<DeliveryView>, Option<i64>)> {
-    let mut rows: Vec<DeliveryView> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {VIEW_COLUMNS} FROM webhook_deliveries d JOIN webhook_events e ON e.id = d.event_id
-          WHERE d.tenant = $1 AND ($2::text IS NULL OR d.endpoint = $2) AND ($3::text IS NULL OR e.type = $3)
-            AND ($4::text IS NULL OR d.state = $4) AND ($5::uuid IS NULL OR e.export_id = $5)
-            AND ($6::bigint IS NULL OR d.seq < $6)
-          ORDER BY d.seq DESC LIMIT $7"
-    )))
-    .bind(tenant)
-    .bind(filter.endpoint)
-    .bind(filter.event.map(WebhookEvent::as_str))
-    .bind(filter.state)
-    .bind(filter.export_id)
-    .bind(filter.before)
-    .bind(i64::from(limit) + 1)
+    let mut rows = select_deliveries!(
+        "WHERE d.tenant = $1 AND ($2::text IS NULL OR d.endpoint = $2) AND ($3::text IS NULL OR e.type = $3)
+           AND ($4::text IS NULL OR d.state = $4) AND ($5::uuid IS NULL OR e.export_id = $5)
+           AND ($6::bigint IS NULL OR d.seq < $6)
+         ORDER BY d.seq DESC LIMIT $7",
+        tenant,
+        filter.endpoint,
+        filter.event.map(WebhookEvent::as_str),
+        filter.state,
+        filter.export_id,
+        filter.before,
+        i64::from(limit) + 1,
+    )
     .fetch_all(pool)
     .await?;
     let more = rows.len() > limit as usize;
@@ -279,41 +290,37 @@ pub async fn list(
 /// Schedules a delivered or failed delivery again, now, with a fresh retry period (a pending
 /// one is left as it is). `None`: no such delivery of this tenant.
 pub async fn retry(pool: &PgPool, tenant: &str, id: Uuid, retry_for: Duration) -> sqlx::Result<Option<DeliveryView>> {
-    sqlx::query(
+    sqlx::query!(
         "UPDATE webhook_deliveries SET state = 'pending', next_attempt_at = now(),
              give_up_at = now() + make_interval(secs => $3), delivered_at = NULL
          WHERE id = $1 AND tenant = $2 AND state <> 'pending'",
+        id,
+        tenant,
+        retry_for.as_secs_f64()
     )
-    .bind(id)
-    .bind(tenant)
-    .bind(retry_for.as_secs_f64())
     .execute(pool)
     .await?;
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {VIEW_COLUMNS} FROM webhook_deliveries d JOIN webhook_events e ON e.id = d.event_id
-          WHERE d.id = $1 AND d.tenant = $2"
-    )))
-    .bind(id)
-    .bind(tenant)
-    .fetch_optional(pool)
-    .await
+    select_deliveries!("WHERE d.id = $1 AND d.tenant = $2", id, tenant).fetch_optional(pool).await
 }
 
 /// The pending deliveries and the age of the oldest (for `/metrics`).
 pub async fn pending(pool: &PgPool) -> sqlx::Result<(i64, Option<OffsetDateTime>)> {
-    sqlx::query_as("SELECT count(*), min(created_at) FROM webhook_deliveries WHERE state = 'pending'")
-        .fetch_one(pool)
-        .await
+    let pending = sqlx::query!(
+        r#"SELECT count(*) AS "count!", min(created_at) AS oldest FROM webhook_deliveries WHERE state = 'pending'"#
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok((pending.count, pending.oldest))
 }
 
 /// Forgets events (and their deliveries) older than `keep` once none is pending.
 pub async fn collect(pool: &PgPool, now: OffsetDateTime, keep: Duration) -> sqlx::Result<u64> {
-    let deleted = sqlx::query(
-        "DELETE FROM webhook_events e WHERE occurred_at < $1 - make_interval(secs => $2) AND routed_at IS NOT NULL
+    let deleted = sqlx::query!(
+        "DELETE FROM webhook_events e WHERE occurred_at < $1::timestamptz - make_interval(secs => $2) AND routed_at IS NOT NULL
            AND NOT EXISTS (SELECT 1 FROM webhook_deliveries d WHERE d.event_id = e.id AND d.state = 'pending')",
+        now,
+        keep.as_secs_f64()
     )
-    .bind(now)
-    .bind(keep.as_secs_f64())
     .execute(pool)
     .await?;
     Ok(deleted.rows_affected())

@@ -67,6 +67,8 @@ impl Format {
     }
 }
 
+crate::db::text_column!(Format);
+
 impl TryFrom<String> for Format {
     type Error = String;
     fn try_from(name: String) -> Result<Format, String> {

@@ -787,3 +787,21 @@ async fn the_database_refuses_every_transition_the_state_machine_does_not_have(p
         }
     }
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn the_state_sets_statements_ask_about_are_the_state_predicates(pool: PgPool) {
+    use exportd::exports::ExportState;
+    for state in ExportState::ALL {
+        let (unfinished, published, ended_without_files): (bool, bool, bool) = sqlx::query_as(
+            "SELECT exportd_export_unfinished($1), exportd_export_published($1), exportd_export_ended_without_files($1)",
+        )
+        .bind(state.as_str())
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(unfinished, !state.is_terminal(), "{state:?} unfinished");
+        assert_eq!(published, state.was_published(), "{state:?} published");
+        let ends_without_files = state.is_terminal() && state != ExportState::Succeeded;
+        assert_eq!(ended_without_files, ends_without_files, "{state:?} ended without files");
+    }
+}

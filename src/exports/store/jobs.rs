@@ -7,7 +7,7 @@ use sqlx::{PgConnection, PgPool};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::JOB_COLUMNS;
+use super::job_query;
 use crate::auth::Caller;
 use crate::exports::{ExportJob, ExportState};
 
@@ -33,13 +33,15 @@ pub struct NewJob<'a> {
 
 /// The tenant's QUEUED jobs, and how many of them are the principal's.
 pub async fn count_queued(tx: &mut PgConnection, tenant: &str, principal: &str) -> sqlx::Result<(i64, i64)> {
-    sqlx::query_as(
-        "SELECT count(*), count(*) FILTER (WHERE principal = $2) FROM export_jobs WHERE tenant = $1 AND state = 'QUEUED'",
+    let row = sqlx::query!(
+        r#"SELECT count(*) AS "queued!", count(*) FILTER (WHERE principal = $2) AS "mine!"
+           FROM export_jobs WHERE tenant = $1 AND state = 'QUEUED'"#,
+        tenant,
+        principal,
     )
-    .bind(tenant)
-    .bind(principal)
     .fetch_one(tx)
-    .await
+    .await?;
+    Ok((row.queued, row.mine))
 }
 
 /// What an insert did.
@@ -54,31 +56,32 @@ pub enum Inserted {
 /// Inserts the job QUEUED, sealed at `pg_current_snapshot()`. After `IncrementalInProgress` the
 /// transaction is aborted.
 pub async fn insert(tx: &mut PgConnection, job: &NewJob<'_>) -> sqlx::Result<Inserted> {
-    let inserted: sqlx::Result<Option<ExportJob>> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+    let inserted = job_query!(
         "INSERT INTO export_jobs (id, tenant, principal, dataset, mode, format, request, request_sha256,
              idempotency_key, columns, filter, row_filter, shard_rows, watermark,
              from_cursor, start_from, start_after, until_tick)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, pg_current_snapshot(), $14, $15, $16, $17)
          ON CONFLICT ON CONSTRAINT export_jobs_idempotency_key DO NOTHING
-         RETURNING {JOB_COLUMNS}"
-    )))
-    .bind(Uuid::new_v4())
-    .bind(job.tenant)
-    .bind(job.principal)
-    .bind(job.dataset)
-    .bind(job.mode)
-    .bind(job.format)
-    .bind(job.request)
-    .bind(job.request_sha256)
-    .bind(job.idempotency_key)
-    .bind(&job.columns)
-    .bind(&job.filter)
-    .bind(&job.row_filter)
-    .bind(job.shard_rows)
-    .bind(job.from_cursor)
-    .bind(job.start_from)
-    .bind(job.start_after)
-    .bind(job.until_tick)
+         RETURNING",
+        "",
+        Uuid::new_v4(),
+        job.tenant,
+        job.principal,
+        job.dataset,
+        job.mode,
+        job.format,
+        job.request,
+        job.request_sha256,
+        job.idempotency_key,
+        &job.columns,
+        &job.filter,
+        &job.row_filter,
+        job.shard_rows,
+        job.from_cursor,
+        job.start_from,
+        job.start_after,
+        job.until_tick,
+    )
     .fetch_optional(tx)
     .await;
     match inserted {
@@ -92,25 +95,27 @@ pub async fn insert(tx: &mut PgConnection, job: &NewJob<'_>) -> sqlx::Result<Ins
 }
 
 pub async fn find_by_key(pool: &PgPool, caller: &Caller, key: &str) -> sqlx::Result<Option<ExportJob>> {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {JOB_COLUMNS} FROM export_jobs WHERE tenant = $1 AND principal = $2 AND idempotency_key = $3"
-    )))
-    .bind(caller.tenant.id.as_str())
-    .bind(caller.principal.id.as_str())
-    .bind(key)
+    job_query!(
+        "SELECT",
+        "FROM export_jobs WHERE tenant = $1 AND principal = $2 AND idempotency_key = $3",
+        caller.tenant.id.as_str(),
+        caller.principal.id.as_str(),
+        key,
+    )
     .fetch_optional(pool)
     .await
 }
 
 /// The job if the caller may see it.
 pub async fn get(pool: &PgPool, caller: &Caller, id: Uuid) -> sqlx::Result<Option<ExportJob>> {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {JOB_COLUMNS} FROM export_jobs WHERE id = $1 AND tenant = $2 AND ($3 OR principal = $4)"
-    )))
-    .bind(id)
-    .bind(caller.tenant.id.as_str())
-    .bind(caller.principal.is_admin())
-    .bind(caller.principal.id.as_str())
+    job_query!(
+        "SELECT",
+        "FROM export_jobs WHERE id = $1 AND tenant = $2 AND ($3 OR principal = $4)",
+        id,
+        caller.tenant.id.as_str(),
+        caller.principal.is_admin(),
+        caller.principal.id.as_str(),
+    )
     .fetch_optional(pool)
     .await
 }
@@ -123,20 +128,21 @@ pub async fn list(
     after: Option<(OffsetDateTime, Uuid)>,
     limit: i64,
 ) -> sqlx::Result<Vec<ExportJob>> {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {JOB_COLUMNS} FROM export_jobs
+    job_query!(
+        "SELECT",
+        "FROM export_jobs
          WHERE tenant = $1 AND ($2 OR principal = $3) AND ($4::text IS NULL OR state = $4)
            AND ($5::timestamptz IS NULL OR (created_at, id) < ($5, $6))
          ORDER BY created_at DESC, id DESC
-         LIMIT $7"
-    )))
-    .bind(caller.tenant.id.as_str())
-    .bind(caller.principal.is_admin())
-    .bind(caller.principal.id.as_str())
-    .bind(state.map(ExportState::as_str))
-    .bind(after.map(|(at, _)| at))
-    .bind(after.map(|(_, id)| id))
-    .bind(limit)
+         LIMIT $7",
+        caller.tenant.id.as_str(),
+        caller.principal.is_admin(),
+        caller.principal.id.as_str(),
+        state.map(ExportState::as_str),
+        after.map(|(at, _)| at),
+        after.map(|(_, id)| id),
+        limit,
+    )
     .fetch_all(pool)
     .await
 }
@@ -144,55 +150,61 @@ pub async fn list(
 /// The job if the caller may see it, row-locked until `tx` ends: orders a cancel against a
 /// worker's conditional publish (whichever commits first wins; the other sees the new state).
 pub async fn lock(tx: &mut PgConnection, caller: &Caller, id: Uuid) -> sqlx::Result<Option<ExportJob>> {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {JOB_COLUMNS} FROM export_jobs WHERE id = $1 AND tenant = $2 AND ($3 OR principal = $4) FOR UPDATE"
-    )))
-    .bind(id)
-    .bind(caller.tenant.id.as_str())
-    .bind(caller.principal.is_admin())
-    .bind(caller.principal.id.as_str())
+    job_query!(
+        "SELECT",
+        "FROM export_jobs WHERE id = $1 AND tenant = $2 AND ($3 OR principal = $4) FOR UPDATE",
+        id,
+        caller.tenant.id.as_str(),
+        caller.principal.is_admin(),
+        caller.principal.id.as_str(),
+    )
     .fetch_optional(tx)
     .await
 }
 
 /// QUEUED or RUNNING → CANCEL_REQUESTED, for a job locked by [`lock`]; the worker ends it.
 pub async fn request_cancel(tx: &mut PgConnection, id: Uuid) -> sqlx::Result<Option<ExportJob>> {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+    job_query!(
         "UPDATE export_jobs SET state = 'CANCEL_REQUESTED' WHERE id = $1 AND state IN ('QUEUED', 'RUNNING')
-         RETURNING {JOB_COLUMNS}"
-    )))
-    .bind(id)
+         RETURNING",
+        "",
+        id,
+    )
     .fetch_optional(tx)
     .await
 }
 
 /// SUCCEEDED → REVOKED, for the tenant's job; `None` if it is not (or not any more) SUCCEEDED.
 pub async fn revoke(pool: &PgPool, tenant: &str, id: Uuid) -> sqlx::Result<Option<ExportJob>> {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "UPDATE export_jobs SET state = 'REVOKED' WHERE id = $1 AND tenant = $2 AND state = 'SUCCEEDED'
-         RETURNING {JOB_COLUMNS}"
-    )))
-    .bind(id)
-    .bind(tenant)
+    job_query!(
+        "UPDATE export_jobs SET state = 'REVOKED' WHERE id = $1 AND tenant = $2 AND state = 'SUCCEEDED' RETURNING",
+        "",
+        id,
+        tenant,
+    )
     .fetch_optional(pool)
     .await
 }
 
 /// The published manifest bytes and their sha256, while the job is SUCCEEDED.
 pub async fn manifest(pool: &PgPool, id: Uuid) -> sqlx::Result<Option<(Vec<u8>, String)>> {
-    sqlx::query_as("SELECT manifest, manifest_sha256 FROM export_jobs WHERE id = $1 AND state = 'SUCCEEDED'")
-        .bind(id)
-        .fetch_optional(pool)
-        .await
+    let row = sqlx::query!(
+        r#"SELECT manifest AS "manifest!", manifest_sha256 AS "manifest_sha256!"
+           FROM export_jobs WHERE id = $1 AND state = 'SUCCEEDED'"#,
+        id,
+    )
+    .fetch_optional(pool)
+    .await?;
+    Ok(row.map(|r| (r.manifest, r.manifest_sha256)))
 }
 
 /// Stores the census's expected rows unless the job has one; returns what the job holds.
 pub async fn store_rows_estimate(pool: &PgPool, id: Uuid, rows: i64) -> sqlx::Result<Option<i64>> {
-    let stored: Option<Option<i64>> = sqlx::query_scalar(
+    let stored = sqlx::query_scalar!(
         "UPDATE export_jobs SET rows_estimate = coalesce(rows_estimate, $2) WHERE id = $1 RETURNING rows_estimate",
+        id,
+        rows,
     )
-    .bind(id)
-    .bind(rows)
     .fetch_optional(pool)
     .await?;
     Ok(stored.flatten())
@@ -200,29 +212,29 @@ pub async fn store_rows_estimate(pool: &PgPool, id: Uuid, rows: i64) -> sqlx::Re
 
 /// SUCCEEDED → EXPIRED for every job past its retention at `now`; returns (id, tenant) of each.
 pub async fn expire_due(pool: &PgPool, now: OffsetDateTime) -> sqlx::Result<Vec<(Uuid, String)>> {
-    sqlx::query_as(
+    let rows = sqlx::query!(
         "UPDATE export_jobs SET state = 'EXPIRED' WHERE state = 'SUCCEEDED' AND expires_at <= $1 RETURNING id, tenant",
+        now,
     )
-    .bind(now)
     .fetch_all(pool)
-    .await
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.id, r.tenant)).collect())
 }
 
 /// Jobs that ended without files to keep but whose files were not deleted yet: (id, tenant, state).
 pub async fn ended_with_files(pool: &PgPool) -> sqlx::Result<Vec<(Uuid, String, ExportState)>> {
-    let rows: Vec<(Uuid, String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT id, tenant, state FROM export_jobs WHERE state IN {} AND files_deleted_at IS NULL",
-        crate::exports::states::ENDED_WITHOUT_FILES
-    )))
+    let rows = sqlx::query!(
+        r#"SELECT id, tenant, state AS "state: ExportState" FROM export_jobs
+           WHERE exportd_export_ended_without_files(state) AND files_deleted_at IS NULL"#,
+    )
     .fetch_all(pool)
     .await?;
-    rows.into_iter().map(|(id, tenant, state)| Ok((id, tenant, parse_state(state)?))).collect()
+    Ok(rows.into_iter().map(|r| (r.id, r.tenant, r.state)).collect())
 }
 
 /// The job's files are gone: it no longer counts towards the tenant's stored bytes.
 pub async fn mark_files_deleted(pool: &PgPool, id: Uuid) -> sqlx::Result<()> {
-    sqlx::query("UPDATE export_jobs SET files_deleted_at = now() WHERE id = $1 AND files_deleted_at IS NULL")
-        .bind(id)
+    sqlx::query!("UPDATE export_jobs SET files_deleted_at = now() WHERE id = $1 AND files_deleted_at IS NULL", id)
         .execute(pool)
         .await?;
     Ok(())
@@ -230,14 +242,11 @@ pub async fn mark_files_deleted(pool: &PgPool, id: Uuid) -> sqlx::Result<()> {
 
 /// The state of the tenant's job `id`, if it exists (whoever may see it).
 pub async fn state(pool: &PgPool, tenant: &str, id: Uuid) -> sqlx::Result<Option<ExportState>> {
-    let state: Option<String> = sqlx::query_scalar("SELECT state FROM export_jobs WHERE id = $1 AND tenant = $2")
-        .bind(id)
-        .bind(tenant)
-        .fetch_optional(pool)
-        .await?;
-    state.map(parse_state).transpose()
-}
-
-pub(super) fn parse_state(text: String) -> sqlx::Result<ExportState> {
-    ExportState::try_from(text).map_err(|e| sqlx::Error::Decode(e.into()))
+    sqlx::query_scalar!(
+        r#"SELECT state AS "state: ExportState" FROM export_jobs WHERE id = $1 AND tenant = $2"#,
+        id,
+        tenant
+    )
+    .fetch_optional(pool)
+    .await
 }

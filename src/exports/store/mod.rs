@@ -19,12 +19,38 @@ pub mod shards;
 
 use std::time::Duration;
 
-/// The SELECT list matching [`super::ExportJob`].
-pub(crate) const JOB_COLUMNS: &str = "id, tenant, principal, dataset, mode, format, request, request_sha256, state, \
-     watermark::text AS watermark, columns, filter, row_filter, shard_rows, created_at, started_at, finished_at, \
-     lease_generation, attempts, stalled_attempts, shards_done, rows_done, bytes_done, error_code, error_detail, manifest_sha256, \
-     file_bytes, file_sha256, expires_at, from_cursor, start_from, start_after, until_tick, rows_estimate, \
-     planned_rows, plan_complete";
+/// `sqlx::query_as!` for [`ExportJob`](super::ExportJob) rows: the statement is `$before`, the
+/// job's columns, then `$after` (checked against the schema at compile time like any `query!`).
+macro_rules! job_query {
+    ($before:literal, $after:literal $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            crate::exports::ExportJob,
+            $before
+                + r#" id, tenant, principal, dataset, mode AS "mode: crate::exports::Mode",
+                  format AS "format: crate::writers::Format", request, request_sha256,
+                  state AS "state: crate::exports::ExportState", watermark::text AS "watermark!", columns,
+                  filter, row_filter, shard_rows, created_at, started_at, finished_at, lease_generation,
+                  attempts, stalled_attempts, shards_done, rows_done, bytes_done, error_code, error_detail,
+                  manifest_sha256, file_bytes, file_sha256, expires_at, from_cursor, start_from, start_after,
+                  until_tick, rows_estimate, planned_rows, plan_complete "#
+                + $after
+            $(, $arg)*
+        )
+    };
+}
+use job_query;
+
+/// Records that `tenant` was served now: claims and helpers' shards go round-robin by it.
+async fn turn_taken(tx: &mut sqlx::PgConnection, tenant: &str) -> sqlx::Result<()> {
+    sqlx::query!(
+        "INSERT INTO scheduler_turns (tenant, last_claimed_at) VALUES ($1, clock_timestamp())
+         ON CONFLICT ON CONSTRAINT scheduler_turns_pkey DO UPDATE SET last_claimed_at = clock_timestamp()",
+        tenant,
+    )
+    .execute(tx)
+    .await?;
+    Ok(())
+}
 
 /// Lease lengths are bound as milliseconds.
 fn millis(d: Duration) -> f64 {
