@@ -40,20 +40,32 @@ fn write_record<'a>(
     fields: impl IntoIterator<Item = &'a [u8]>,
     line: &mut Vec<u8>,
 ) {
-    for (n, mut field) in fields.into_iter().enumerate() {
+    for (n, field) in fields.into_iter().enumerate() {
         if n > 0 {
-            let (_, written) = writer.delimiter(scratch);
-            line.extend_from_slice(&scratch[..written]);
+            write_delimiter(writer, scratch, line);
         }
-        loop {
-            let (result, read, written) = writer.field(field, scratch);
-            line.extend_from_slice(&scratch[..written]);
-            field = &field[read..];
-            if result == WriteResult::InputEmpty {
-                break;
-            }
+        write_field(writer, scratch, field, line);
+    }
+    write_terminator(writer, scratch, line);
+}
+
+fn write_field(writer: &mut csv_core::Writer, scratch: &mut [u8], mut field: &[u8], line: &mut Vec<u8>) {
+    loop {
+        let (result, read, written) = writer.field(field, scratch);
+        line.extend_from_slice(&scratch[..written]);
+        field = &field[read..];
+        if result == WriteResult::InputEmpty {
+            return;
         }
     }
+}
+
+fn write_delimiter(writer: &mut csv_core::Writer, scratch: &mut [u8], line: &mut Vec<u8>) {
+    let (_, written) = writer.delimiter(scratch);
+    line.extend_from_slice(&scratch[..written]);
+}
+
+fn write_terminator(writer: &mut csv_core::Writer, scratch: &mut [u8], line: &mut Vec<u8>) {
     let (_, written) = writer.terminator(scratch);
     line.extend_from_slice(&scratch[..written]);
 }
@@ -66,13 +78,18 @@ impl RowEncoder for CsvEncoder {
         Ok(head)
     }
 
+    /// Cell by cell straight into `line`: no per-row collections on the export hot path. (On an
+    /// error the caller discards `line` with the shard.)
     fn encode(&mut self, key: &str, fields: &Fields<'_>, line: &mut Vec<u8>) -> io::Result<()> {
-        let data_columns = &self.columns[1..]; // the key column is always first
-        let cells = data_columns.iter().map(|c| fields.get(&c.name)).collect::<Result<Vec<_>, _>>()?;
-        let mut record = Vec::with_capacity(self.columns.len());
-        record.push(escape_formula(key));
-        record.extend(cells.iter().zip(data_columns).map(|(cell, c)| csv_cell(cell, c.ty)));
-        write_record(&mut self.writer, &mut self.scratch[..], record.iter().map(|cell| cell.as_bytes()), line);
+        let (writer, scratch) = (&mut self.writer, &mut self.scratch[..]);
+        write_field(writer, scratch, escape_formula(key).as_bytes(), line);
+        for column in &self.columns[1..] {
+            // the key column is always first
+            let cell = fields.get(&column.name)?;
+            write_delimiter(writer, scratch, line);
+            write_field(writer, scratch, csv_cell(&cell, column.ty).as_bytes(), line);
+        }
+        write_terminator(writer, scratch, line);
         Ok(())
     }
 }
