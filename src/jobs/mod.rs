@@ -7,6 +7,7 @@ mod ending;
 mod heartbeat;
 mod helper;
 mod plan;
+mod planner;
 mod runner;
 mod shard;
 mod shard_task;

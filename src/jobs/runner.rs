@@ -8,6 +8,7 @@ use super::WorkerDeps;
 use super::ending::{self, authorized};
 use super::heartbeat::Heartbeat;
 use super::plan::Plan;
+use super::planner::{self, Extended, Planner};
 use super::shard_task::{ShardTask, Written};
 use crate::exports::store::lease::{self, Fence, Lease, LeaseLost, Publication, Refused};
 use crate::exports::store::plan::{self as shard_plan, NewShard, PlannedShard};
@@ -89,6 +90,8 @@ pub struct ClaimedExport {
     rows_done: u64,
     phase: Phase,
     heartbeat: Heartbeat,
+    /// Plans a full export's remaining shards while this run writes the first ones.
+    planner: Option<Planner>,
 }
 
 impl ClaimedExport {
@@ -122,6 +125,7 @@ impl ClaimedExport {
             to_verify,
             phase: Phase::Start,
             heartbeat: Heartbeat::new(deps, Some(lease)),
+            planner: None,
         }))
     }
 
@@ -190,6 +194,10 @@ impl ClaimedExport {
                         self.phase = Phase::Publish;
                     } else if self.plan.chain.is_some() {
                         self.phase = Phase::Plan;
+                    } else if !progress.plan_complete {
+                        if let Some(stop) = self.await_planner().await? {
+                            return Ok(stop);
+                        }
                     } else {
                         return Ok(Step::Waiting);
                     }
@@ -267,9 +275,10 @@ impl ClaimedExport {
         }
     }
 
-    /// Plans the shards not planned yet. A full export plans them all, counting each shard's
-    /// rows under the snapshot (helpers start writing the first ones meanwhile); an incremental
-    /// export plans its next shard where the last one ended, once every planned one is written.
+    /// Plans the shards not planned yet. A full export plans its next shard here and the rest in
+    /// a [`Planner`] task, counting each shard's rows under the snapshot while this run (and
+    /// helpers) write the ones planned; an incremental export plans its next shard where the
+    /// last one ended, once every planned one is written.
     async fn extend_plan(&mut self) -> anyhow::Result<Option<Step>> {
         let progress = shard_plan::progress(&self.deps.pool, self.job.id).await?;
         if progress.plan_complete {
@@ -293,52 +302,54 @@ impl ClaimedExport {
                 Err(LeaseLost) => Ok(Some(self.after_refused_write().await?)),
             };
         }
-        let (mut last, mut planned_rows) = shard_plan::last_planned(&self.deps.pool, self.job.id).await?;
-        let max_rows = self.deps.registry.get(&self.job.tenant).map_or(0, |t| t.quota.max_rows_per_export);
-        loop {
-            if let Some(stop) = self.renew().await? {
+        // The next shard here, so there is one to write; the rest in the background.
+        if let Some(stop) = self.renew().await? {
+            return Ok(Some(stop));
+        }
+        let (last, planned_rows) = shard_plan::last_planned(&self.deps.pool, self.job.id).await?;
+        let mut cursor = planner::Cursor { last, planned_rows };
+        match planner::plan_next(&self.deps, &self.job, &self.plan, self.lease, &mut cursor).await? {
+            Extended::More => {
+                self.planner = Some(Planner::start(&self.deps, &self.job, self.lease, cursor)?);
+                Ok(None)
+            }
+            ended => self.planning_ended(ended).await,
+        }
+    }
+
+    /// Waits until this run's planner has ended (a full export's plan is then complete, unless
+    /// the step returned says why not). For tests and diagnostics: runs wait only when they must.
+    pub async fn finish_planning(&mut self) -> anyhow::Result<Option<Step>> {
+        while self.planner.is_some() {
+            if let Some(stop) = self.await_planner().await? {
                 return Ok(Some(stop));
             }
-            let index = last.as_ref().map_or(0, |l| l.shard_index + 1);
-            let after = last.as_ref().and_then(|l| l.last_key.clone());
-            let full_before = last.as_ref().is_none_or(|l| l.rows.unwrap_or(0) as u64 >= self.plan.shard_rows);
-            let (rows, last_key) = if full_before {
-                self.plan.as_of().span(&self.deps.pool, after.as_deref(), self.plan.shard_rows as i64).await?
-            } else {
-                (0, None)
-            };
-            let complete = (rows as u64) < self.plan.shard_rows;
-            let next = NewShard { index, after_key: after.as_deref(), last_key: last_key.as_deref(), rows: Some(rows) };
-            // Shard 0 exists even when empty (the header); an empty shard after it does not.
-            let shard = (index == 0 || rows > 0).then_some(&next);
-            if shard.is_some() {
-                let max_shards = self.deps.config.max_shards;
-                if index as u32 >= max_shards {
-                    let detail = format!(
-                        "the export would have more than {max_shards} shards; create it again with a larger shard_rows"
-                    );
-                    return Ok(Some(self.fail("too-many-shards", &detail).await?));
-                }
-                planned_rows += rows as u64;
-                if planned_rows > max_rows {
-                    let detail = format!("the export has more than {max_rows} rows, the tenant's max_rows_per_export");
-                    return Ok(Some(self.fail("too-many-rows", &detail).await?));
-                }
-            }
-            if let Err(LeaseLost) = shard_plan::extend(&self.deps.pool, self.lease, shard, complete).await? {
-                return Ok(Some(self.after_refused_write().await?));
-            }
-            if complete {
-                return Ok(None);
-            }
-            last = Some(PlannedShard {
-                shard_index: index,
-                after_key: after,
-                last_key,
-                rows: Some(rows),
-                writer_attempt: 0,
-                takeovers: 0,
-            });
+        }
+        Ok(None)
+    }
+
+    /// Nothing planned is free to write, but the plan is incomplete: waits for the planner's
+    /// next shard or its end (planning anew if this run has no planner).
+    async fn await_planner(&mut self) -> anyhow::Result<Option<Step>> {
+        let Some(planner) = &mut self.planner else {
+            self.phase = Phase::Plan;
+            return Ok(None);
+        };
+        let next = planner.next().await;
+        if !matches!(next, Ok(None)) {
+            self.planner = None; // it has ended
+        }
+        match next? {
+            None => Ok(None),
+            Some(ended) => self.planning_ended(ended).await,
+        }
+    }
+
+    async fn planning_ended(&mut self, ended: Extended) -> anyhow::Result<Option<Step>> {
+        match ended {
+            Extended::More | Extended::Complete => Ok(None),
+            Extended::Failed { code, detail } => Ok(Some(self.fail(code, &detail).await?)),
+            Extended::LeaseLost => Ok(Some(self.after_refused_write().await?)),
         }
     }
 

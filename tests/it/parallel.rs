@@ -1,4 +1,5 @@
-//! One export written by several workers at once: the job's lease holder plans the shards and
+//! One export written by several workers at once: the job's lease holder plans the shards (a
+//! planner task counts them while it writes the first) and
 //! publishes, idle workers (any process) write planned shards under per-shard leases, and the
 //! result is byte for byte a one-worker run.
 
@@ -43,12 +44,14 @@ async fn one_worker_reference(app: &TestApp, token: &str) -> Value {
     manifest(app, token, &id).await
 }
 
-/// A new export in shards of 20 rows, claimed by "w1", which planned it and wrote shard 0.
+/// A new export in shards of 20 rows, claimed by "w1", which wrote shard 0 while its planner
+/// planned the rest; returns once the plan is complete.
 async fn started(app: &TestApp, token: &str) -> (String, WorkerDeps, ClaimedExport) {
     let id = app.export(token, &full_csv(20)).await;
     let deps = app.deps();
     let mut coordinator = ClaimedExport::claim(&deps, "w1").await.unwrap().unwrap();
     assert_eq!(coordinator.step().await.unwrap(), Step::ShardWritten { index: 0, rows: 20, last: false });
+    assert_eq!(coordinator.finish_planning().await.unwrap(), None);
     (id, deps, coordinator)
 }
 
@@ -80,7 +83,7 @@ async fn an_idle_worker_writes_shards_of_a_running_export_with_identical_bytes(p
             .fetch_one(&app.pool)
             .await
             .unwrap();
-    assert_eq!(planned, (6, true), "a full export is planned whole before its first shard");
+    assert_eq!(planned, (6, true), "the plan is whole once the planner ends");
 
     // "w2" finds no job of its own to claim, so it helps: each run writes one free shard.
     let (_keep, shutdown) = watch::channel(false);
