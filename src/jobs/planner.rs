@@ -5,7 +5,12 @@
 //! write the shards planned so far, so with one slot the planning no longer comes before the
 //! writing. Every extension is fenced by the job's lease: the task ends when the plan is
 //! complete, when the lease is lost (a takeover, a cancel request, or the job given back), or
-//! when the export would break a limit. It is aborted with the run that started it.
+//! when the export would break a limit. When the run that started it ends, the task is told to
+//! stop and does so between two shards: it is never cut off inside a statement or transaction
+//! (an aborted future could leave a transaction holding the job's row on a pooled connection).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
 use tokio::sync::watch;
@@ -92,11 +97,12 @@ pub(super) async fn plan_next(
     Ok(Extended::More)
 }
 
-/// The planner task of one run. Dropping it aborts the task (a half-done extension rolls back).
+/// The planner task of one run. Dropping it tells the task to stop after the current shard.
 pub(super) struct Planner {
     task: JoinHandle<anyhow::Result<Extended>>,
     /// Shards the task has planned so far; closed when it ends.
     planned: watch::Receiver<u32>,
+    stop: Arc<AtomicBool>,
 }
 
 impl Planner {
@@ -110,9 +116,14 @@ impl Planner {
         let (deps, job) = (deps.clone(), job.clone());
         let plan = Plan::from_job(&job)?;
         let (planned_tx, planned) = watch::channel(0u32);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
         let task = tokio::spawn(
             async move {
                 loop {
+                    if stopped.load(Ordering::Relaxed) {
+                        return Ok(Extended::More); // the run ended; the next one plans on
+                    }
                     match plan_next(&deps, &job, &plan, lease, &mut cursor).await? {
                         Extended::More => planned_tx.send_modify(|n| *n += 1),
                         end => return Ok(end),
@@ -121,7 +132,7 @@ impl Planner {
             }
             .instrument(tracing::Span::current()),
         );
-        Ok(Planner { task, planned })
+        Ok(Planner { task, planned, stop })
     }
 
     /// Waits until the task has planned another shard (`None`) or has ended (how).
@@ -136,6 +147,6 @@ impl Planner {
 
 impl Drop for Planner {
     fn drop(&mut self) {
-        self.task.abort();
+        self.stop.store(true, Ordering::Relaxed);
     }
 }
