@@ -8,6 +8,7 @@
 //! when the export would break a limit. When the run that started it ends, the task is told to
 //! stop and does so between two shards: it is never cut off inside a statement or transaction
 //! (an aborted future could leave a transaction holding the job's row on a pooled connection).
+//! A run that gives its lease up waits for the task first (see `ClaimedExport::release`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -133,6 +134,14 @@ impl Planner {
             .instrument(tracing::Span::current()),
         );
         Ok(Planner { task, planned, stop })
+    }
+
+    /// Tells the task to stop and waits until it has (after the shard it is planning, if any).
+    pub(super) async fn stop(mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Err(e) = (&mut self.task).await {
+            tracing::warn!(error = %e, "the shard planner panicked");
+        }
     }
 
     /// Waits until the task has planned another shard (`None`) or has ended (how).

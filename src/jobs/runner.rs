@@ -240,7 +240,8 @@ impl ClaimedExport {
     }
 
     /// Gives the job back so another worker can continue at once (shutdown, or yielding).
-    pub async fn release(self) -> anyhow::Result<()> {
+    pub async fn release(mut self) -> anyhow::Result<()> {
+        self.stop_planner().await;
         self.release_shard().await?;
         lease::release(&self.deps.pool, self.lease).await?;
         tracing::info!(export = %self.job.id, "released export lease");
@@ -250,11 +251,21 @@ impl ClaimedExport {
     /// Gives the job back after a run that cannot go on (an error that outlived its retries):
     /// claimable at once instead of after the lease expires; the next claim verifies the
     /// checkpoints again and counts an attempt, unless the run was `interrupted` by an outage.
-    pub async fn give_back(self, interrupted: bool) -> anyhow::Result<()> {
+    pub async fn give_back(mut self, interrupted: bool) -> anyhow::Result<()> {
+        self.stop_planner().await;
         self.release_shard().await?;
         lease::give_back(&self.deps.pool, self.lease, interrupted).await?;
         tracing::info!(export = %self.job.id, "gave the export back after an error");
         Ok(())
+    }
+
+    /// Stops the planner before the job's lease is given up: while the job is lease-free no
+    /// transaction of this run may hold its row (a claim passes over locked rows, and could then
+    /// start another of the tenant's exports beyond `max_running_exports`).
+    async fn stop_planner(&mut self) {
+        if let Some(planner) = self.planner.take() {
+            planner.stop().await;
+        }
     }
 
     /// The shard this run was writing when it stopped, if any, goes back to be taken at once.
