@@ -45,13 +45,15 @@ pub(super) struct Cursor {
 }
 
 /// Plans the shard after `cursor.last` (counting its rows under the snapshot) and records it,
-/// or completes the plan when no full shard is left.
+/// or completes the plan when no full shard is left. With `stop` set once the rows are counted,
+/// nothing is recorded (`More`, the cursor unchanged): a stopped planner never writes again.
 pub(super) async fn plan_next(
     deps: &WorkerDeps,
     job: &ExportJob,
     plan: &Plan,
     lease: Lease,
     cursor: &mut Cursor,
+    stop: Option<&AtomicBool>,
 ) -> anyhow::Result<Extended> {
     let last = &cursor.last;
     let index = last.as_ref().map_or(0, |l| l.shard_index + 1);
@@ -62,6 +64,9 @@ pub(super) async fn plan_next(
     } else {
         (0, None)
     };
+    if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+        return Ok(Extended::More);
+    }
     let complete = (rows as u64) < plan.shard_rows;
     let next = NewShard { index, after_key: after.as_deref(), last_key: last_key.as_deref(), rows: Some(rows) };
     // Shard 0 exists even when empty (the header); an empty shard after it does not.
@@ -125,7 +130,7 @@ impl Planner {
                     if stopped.load(Ordering::Relaxed) {
                         return Ok(Extended::More); // the run ended; the next one plans on
                     }
-                    match plan_next(&deps, &job, &plan, lease, &mut cursor).await? {
+                    match plan_next(&deps, &job, &plan, lease, &mut cursor, Some(&stopped)).await? {
                         Extended::More => planned_tx.send_modify(|n| *n += 1),
                         end => return Ok(end),
                     }

@@ -319,7 +319,7 @@ impl ClaimedExport {
         }
         let (last, planned_rows) = shard_plan::last_planned(&self.deps.pool, self.job.id).await?;
         let mut cursor = planner::Cursor { last, planned_rows };
-        match planner::plan_next(&self.deps, &self.job, &self.plan, self.lease, &mut cursor).await? {
+        match planner::plan_next(&self.deps, &self.job, &self.plan, self.lease, &mut cursor, None).await? {
             Extended::More => {
                 self.planner = Some(Planner::start(&self.deps, &self.job, self.lease, cursor)?);
                 Ok(None)
