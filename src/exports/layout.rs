@@ -9,7 +9,7 @@ use crate::storage::{ArtifactStore, ObjectKey, StoreResult};
 use crate::writers::gzip::{FINAL_BLOCK, GZIP_HEADER, Part, trailer};
 
 /// A shard file as checkpointed by the worker that wrote it.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardRecord {
     pub shard_index: i32,
     pub first_key: Option<String>,

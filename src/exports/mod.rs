@@ -77,19 +77,16 @@ impl IdempotencyKey {
 }
 
 /// One export job as stored.
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct ExportJob {
     pub id: Uuid,
     pub tenant: String,
     pub principal: String,
     pub dataset: String,
-    #[sqlx(try_from = "String")]
     pub mode: Mode,
-    #[sqlx(try_from = "String")]
     pub format: Format,
     pub request: Value,
     pub request_sha256: String,
-    #[sqlx(try_from = "String")]
     pub state: ExportState,
     pub watermark: String,
     pub columns: Value,
@@ -190,14 +187,14 @@ pub async fn create(
         start_after: start.as_ref().and_then(|s| s.after.as_deref()),
         until_tick: start.as_ref().map(|s| s.until_tick),
     };
-    let inserted = store::jobs::insert(&mut tx, &new_job).await?;
-    if let Inserted::IncrementalInProgress = inserted {
-        return Err(ExportError::IncrementalInProgress); // the transaction rolls back
-    }
+    let inserted = match store::jobs::insert(&mut tx, &new_job).await? {
+        Inserted::IncrementalInProgress => return Err(ExportError::IncrementalInProgress), // rolls back
+        Inserted::KeyTaken => None,
+        Inserted::Job(job) => Some(*job),
+    };
     tx.commit().await?;
     match inserted {
-        Inserted::IncrementalInProgress => Err(ExportError::IncrementalInProgress),
-        Inserted::Job(mut job) => {
+        Some(mut job) => {
             // After the commit, so a refused create costs no census; best effort: a job without
             // an estimate only lacks an ETA until its plan is known.
             let from = start.as_ref().map(|s| s.from.as_str());
@@ -218,9 +215,9 @@ pub async fn create(
                 )
                 .await?;
             }
-            Ok(Created { job: *job, replayed: false })
+            Ok(Created { job, replayed: false })
         }
-        Inserted::KeyTaken => {
+        None => {
             let existing = find_by_key(pool, caller, key).await?.ok_or(ExportError::NotFound)?;
             replay(existing, &request_sha256)
         }

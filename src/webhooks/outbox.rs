@@ -95,7 +95,7 @@ impl EventRow {
 }
 
 /// A delivery leased for one attempt.
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct Attempt {
     pub id: Uuid,
     pub event_id: Uuid,
