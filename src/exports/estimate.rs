@@ -11,7 +11,7 @@ use super::{ExportError, ExportRequest, ExportSpec, Mode, with_op};
 use crate::auth::Caller;
 use crate::records::Record;
 use crate::records::census::{self, Census, Count};
-use crate::writers::{Format, OutputColumn, ShardWriter, gzip};
+use crate::writers::{Codec, Format, OutputColumn, ShardWriter, gzip};
 
 /// Records encoded to measure bytes per row, and the bytes they may hold.
 const SAMPLE_ROWS: i64 = 1000;
@@ -142,7 +142,8 @@ async fn census_of(
 /// The file's size if `rows` records like `sample` were exported: the sample's encoded and
 /// compressed size per row, plus the format's head once and the gzip framing.
 fn encoded_size(format: Format, columns: &[OutputColumn], sample: &[Record], rows: u64, mode: Mode) -> BytesEstimate {
-    let mut writer = ShardWriter::new(std::io::sink(), format, columns.to_vec()).expect("writing to a sink");
+    let mut writer =
+        ShardWriter::new(std::io::sink(), format, Codec::CURRENT, columns.to_vec()).expect("writing to a sink");
     for record in sample {
         let data = match mode {
             Mode::Full => record.data.clone(),

@@ -24,7 +24,7 @@ pub use state::ExportState;
 use store::jobs::Inserted;
 
 use crate::auth::Caller;
-use crate::writers::{Format, sha256_hex};
+use crate::writers::{Codec, Format, sha256_hex};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {
@@ -85,6 +85,8 @@ pub struct ExportJob {
     pub dataset: String,
     pub mode: Mode,
     pub format: Format,
+    /// How the shards are deflated: [`Codec::CURRENT`] when the job was created.
+    pub codec: Codec,
     pub request: Value,
     pub request_sha256: String,
     pub state: ExportState,
@@ -175,6 +177,7 @@ pub async fn create(
         dataset: spec.dataset.as_str(),
         mode: spec.mode.as_str(),
         format: spec.format.name(),
+        codec: Codec::CURRENT.name(),
         request: &canonical,
         request_sha256: &request_sha256,
         idempotency_key: &key.0,

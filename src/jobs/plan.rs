@@ -10,13 +10,15 @@ use crate::exports::ExportJob;
 use crate::feeds::{self, Cursor, CursorOwner, Feed, Seal};
 use crate::records::{AsOf, Snapshot};
 use crate::tenants::{DatasetName, TenantId};
-use crate::writers::{Format, OutputColumn};
+use crate::writers::{Codec, Format, OutputColumn};
 
 /// The job as the worker reads it, parsed once from the frozen request.
 pub(super) struct Plan {
     pub(super) tenant: TenantId,
     pub(super) dataset: DatasetName,
     pub(super) format: Format,
+    /// How its shards are deflated, fixed when the job was created.
+    pub(super) codec: Codec,
     pub(super) columns: Vec<OutputColumn>,
     pub(super) filter: Value,
     pub(super) row_filter: Value,
@@ -38,6 +40,7 @@ impl Plan {
             tenant: TenantId::parse(&job.tenant).map_err(anyhow::Error::msg)?,
             dataset: DatasetName::parse(&job.dataset).map_err(anyhow::Error::msg)?,
             format: job.format,
+            codec: job.codec,
             columns: serde_json::from_value(job.columns.clone()).context("job columns")?,
             filter: job.filter.clone(),
             row_filter: job.row_filter.clone(),

@@ -10,7 +10,7 @@ use super::source::Source;
 use crate::quota::ScanLimits;
 use crate::records::Record;
 use crate::storage::{ArtifactStore, ObjectKey, ObjectWriter};
-use crate::writers::{Format, OutputColumn, ShardDigest, ShardWriter};
+use crate::writers::{Codec, Format, OutputColumn, ShardDigest, ShardWriter};
 
 /// Pages buffered between the reader and the encoder.
 const PAGES_IN_FLIGHT: usize = 2;
@@ -41,6 +41,7 @@ pub struct ShardJob<'a> {
     pub store: &'a ArtifactStore,
     pub source: Source<'a>,
     pub format: Format,
+    pub codec: Codec,
     pub columns: &'a [OutputColumn],
     pub after: Option<String>,
     pub shard_rows: u64,
@@ -78,7 +79,8 @@ where
         return Ok(Err(ShardStop::NoRows));
     }
 
-    let (pages, encoder) = spawn_encoder(job.store.clone(), job.object_key.clone(), job.format, job.columns.to_vec());
+    let (pages, encoder) =
+        spawn_encoder(job.store.clone(), job.object_key.clone(), job.format, job.codec, job.columns.to_vec());
     let mut rows = 0u64;
     let mut first_key = None;
     let mut last_key: Option<String> = job.after.clone();
@@ -140,12 +142,13 @@ fn spawn_encoder(
     store: ArtifactStore,
     key: ObjectKey,
     format: Format,
+    codec: Codec,
     columns: Vec<OutputColumn>,
 ) -> (mpsc::Sender<Vec<Record>>, tokio::task::JoinHandle<Encoded>) {
     let (tx, mut rx) = mpsc::channel::<Vec<Record>>(PAGES_IN_FLIGHT);
     let handle = tokio::task::spawn_blocking(move || -> Encoded {
         // On any error the object writer is dropped, which discards what it wrote.
-        let mut writer = ShardWriter::new(store.writer(&key)?, format, columns)?;
+        let mut writer = ShardWriter::new(store.writer(&key)?, format, codec, columns)?;
         while let Some(page) = rx.blocking_recv() {
             for record in &page {
                 writer.write_row(&record.key, &record.data)?;

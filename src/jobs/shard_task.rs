@@ -76,6 +76,7 @@ impl<'a> ShardTask<'a> {
             store: &deps.store,
             source: self.plan.source(),
             format: self.plan.format,
+            codec: self.plan.codec,
             columns: &self.plan.columns,
             after: self.shard.after_key.clone(),
             shard_rows: self.shard.rows.map_or(self.plan.shard_rows, |rows| rows.max(0) as u64),

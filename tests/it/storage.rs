@@ -116,6 +116,48 @@ async fn shards_are_written_spliced_and_served_in_ranges(app: TestApp) {
 
 /// A worker claims the job, writes `shards` shards, then its process dies (the run is dropped
 /// with its lease still held).
+/// A job created by an older binary recorded `miniz_oxide/3`: this binary finishes it with that
+/// codec, and a checkpointed shard it must rewrite comes out with its recorded bytes.
+#[sqlx::test(migrations = "./migrations")]
+async fn an_export_keeps_the_codec_it_was_created_with(pool: PgPool) {
+    let app = TestApp::spawn_on(pool, Backend::Local).await;
+    app.seed("acme", "tickets", 130).await;
+    let token = app.token("acme", "alice");
+    let older = app.export(&token, &full_csv(50)).await;
+    let codec = |id: String| {
+        sqlx::query_scalar::<_, String>("SELECT codec FROM export_jobs WHERE id = $1::uuid")
+            .bind(id)
+            .fetch_one(&app.pool)
+    };
+    assert_eq!(codec(older.clone()).await.unwrap(), exportd::writers::Codec::CURRENT.name());
+    sqlx::query("UPDATE export_jobs SET codec = 'miniz_oxide/3' WHERE id = $1::uuid")
+        .bind(&older)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    crash_after(&app, 2).await;
+    let original = app.own_shard_files(&older).await;
+    put_object(&app.store, &format!("acme/{older}/s0-a1/shard-00000.csv.gz"), original[0][..100].to_vec()).await;
+    expire_lease(&app.pool, &older).await;
+    let mut resumed = ClaimedExport::claim(&app.deps(), "rescuer").await.unwrap().unwrap();
+    assert_eq!(resumed.step().await.unwrap(), Step::ShardRewritten { index: 0 });
+    assert_eq!(resumed.step().await.unwrap(), Step::ShardVerified { index: 1 });
+    assert_eq!(resumed.step().await.unwrap(), Step::ShardWritten { index: 2, rows: 30, last: true });
+    assert_eq!(resumed.step().await.unwrap(), Step::Published);
+    let older_files = app.own_shard_files(&older).await;
+    assert_eq!(older_files[..2], original[..], "the rewritten shard has its checkpointed bytes");
+
+    // The same rows exported now: the same CSV, other gzip bytes.
+    let current = app.export(&token, &full_csv(50)).await;
+    assert_eq!(app.drain().await, vec![Step::Published]);
+    let current_files = app.own_shard_files(&current).await;
+    assert_eq!(current_files.len(), older_files.len());
+    for (older, current) in older_files.iter().zip(&current_files) {
+        assert_ne!(older, current, "the codecs differ");
+        assert_eq!(crate::common::gunzip(older), crate::common::gunzip(current));
+    }
+}
+
 async fn crash_after(app: &TestApp, shards: usize) {
     let mut doomed = ClaimedExport::claim(&app.deps(), "doomed").await.unwrap().unwrap();
     for index in 0..shards {

@@ -18,6 +18,7 @@ pub struct NewJob<'a> {
     pub dataset: &'a str,
     pub mode: &'a str,
     pub format: &'a str,
+    pub codec: &'a str,
     pub request: &'a Value,
     pub request_sha256: &'a str,
     pub idempotency_key: &'a str,
@@ -57,10 +58,10 @@ pub enum Inserted {
 /// transaction is aborted.
 pub async fn insert(tx: &mut PgConnection, job: &NewJob<'_>) -> sqlx::Result<Inserted> {
     let inserted = job_query!(
-        "INSERT INTO export_jobs (id, tenant, principal, dataset, mode, format, request, request_sha256,
+        "INSERT INTO export_jobs (id, tenant, principal, dataset, mode, format, codec, request, request_sha256,
              idempotency_key, columns, filter, row_filter, shard_rows, watermark,
              from_cursor, start_from, start_after, until_tick)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, pg_current_snapshot(), $14, $15, $16, $17)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, pg_current_snapshot(), $15, $16, $17, $18)
          ON CONFLICT ON CONSTRAINT export_jobs_idempotency_key DO NOTHING
          RETURNING",
         "",
@@ -70,6 +71,7 @@ pub async fn insert(tx: &mut PgConnection, job: &NewJob<'_>) -> sqlx::Result<Ins
         job.dataset,
         job.mode,
         job.format,
+        job.codec,
         job.request,
         job.request_sha256,
         job.idempotency_key,
