@@ -45,7 +45,7 @@ impl RowEncoder for JsonlEncoder {
             if i == 0 {
                 serde_json::to_writer(&mut *line, key)?; // the key column is always first
             } else {
-                write_json(line, &fields.get(&column.name)?)?;
+                write_json(line, &fields.get(i)?)?;
             }
         }
         line.extend_from_slice(b"}\n");

@@ -19,7 +19,7 @@ use std::io::{self, Write};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-pub use cell::{Cell, Fields};
+pub use cell::{Cell, FieldIndex, Fields};
 pub use codec::Codec;
 pub use escape::{csv_cell, escape_formula};
 pub use format::{Format, FormatSpec, RowEncoder};
@@ -52,6 +52,7 @@ pub struct ShardDigest {
 /// Rows are encoded on the caller's thread and deflated on a second one.
 pub struct ShardWriter<W: Write + Send + 'static> {
     encoder: Box<dyn RowEncoder>,
+    fields: FieldIndex,
     compressor: Compressor<W>,
     rows: u64,
     line: Vec<u8>,
@@ -62,13 +63,14 @@ impl<W: Write + Send + 'static> ShardWriter<W> {
     pub fn new(out: W, format: Format, codec: Codec, columns: Vec<OutputColumn>) -> io::Result<Self> {
         let mut encoder = (format.spec().encoder)(&columns);
         let compressor = Compressor::start(out, codec, encoder.head()?);
-        Ok(ShardWriter { encoder, compressor, rows: 0, line: Vec::new() })
+        let fields = FieldIndex::new(columns.iter().map(|c| c.name.as_str()));
+        Ok(ShardWriter { encoder, fields, compressor, rows: 0, line: Vec::new() })
     }
 
     /// Appends one record: its key, and the selected columns read from `data`, the record's
     /// JSON object as text (absent columns are null).
     pub fn write_row(&mut self, key: &str, data: &str) -> io::Result<()> {
-        let fields = Fields::parse(data)?;
+        let fields = self.fields.read(data)?;
         self.line.clear();
         self.encoder.encode(key, &fields, &mut self.line)?;
         self.compressor.write_all(&self.line)?;
