@@ -48,7 +48,7 @@ impl Codec {
     pub(super) fn deflater(self) -> Deflater {
         match self {
             Codec::MinizOxide3 => Deflater::Miniz(Compress::new(Compression::new(3), false)),
-            Codec::ZlibRs3 => Deflater::ZlibRs(Box::new(Deflate::new(3, false, 15))),
+            Codec::ZlibRs3 => Deflater::ZlibRs(Deflate::new(3, false, 15)),
         }
     }
 }
@@ -65,7 +65,7 @@ impl TryFrom<String> for Codec {
 /// A raw deflate stream (no zlib or gzip framing) of one codec.
 pub(super) enum Deflater {
     Miniz(Compress),
-    ZlibRs(Box<Deflate>),
+    ZlibRs(Deflate),
 }
 
 impl Deflater {
