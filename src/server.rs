@@ -26,11 +26,11 @@ use crate::webhooks::{self, Deliverer};
 /// Connections of the API's pool in `serve`.
 const API_CONNECTIONS: u32 = 16;
 
-/// Connections for `workers` export workers: two each (a shard's pages, and the planner of a
-/// full export counting the next shards meanwhile), plus the ticker, the cleaner and the
-/// webhook deliveries.
+/// Connections for `workers` export workers: three each (a shard's rows, streamed for the whole
+/// shard; the planner of a full export counting the next shards meanwhile; heartbeats and
+/// checkpoints), plus the ticker, the cleaner and the webhook deliveries.
 fn worker_connections(workers: usize) -> u32 {
-    2 * workers as u32 + 3
+    3 * workers as u32 + 3
 }
 
 /// How often the feed ticker records a snapshot.

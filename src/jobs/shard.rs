@@ -1,7 +1,7 @@
-//! Writing one shard: keyset pages stream from PostgreSQL into an encoder on a blocking thread
-//! (CSV/JSONL → gzip → sha256 → the store's object writer), and the object is made visible only
-//! once the shard is complete. At most two pages are in flight, so memory does not grow with the
-//! export.
+//! Writing one shard: its rows stream from PostgreSQL, in pages, into an encoder on a blocking
+//! thread (CSV/JSONL → gzip → sha256 → the store's object writer), and the object is made visible
+//! only once the shard is complete. At most two pages are in flight, so memory does not grow with
+//! the export.
 
 use anyhow::Context;
 use tokio::sync::mpsc;
@@ -72,9 +72,11 @@ where
         Err(wait) if job.may_defer => return Ok(Err(ShardStop::Throttled(wait))),
         Err(_) => 0,
     };
-    let mut limit = job.page_rows.min(job.shard_rows) as i64;
-    prepaid = pay(job.scan, job.tenant, prepaid, limit as u64).await;
-    let mut page = job.source.page(pool, job.after.as_deref(), limit).await.context("reading records")?;
+    let mut reading = job.source.begin(pool).await.context("reading records")?;
+    let mut source = job.source.pages(pool, &mut reading, job.after.as_deref(), job.shard_rows)?;
+    let mut limit = job.page_rows.min(job.shard_rows);
+    prepaid = pay(job.scan, job.tenant, prepaid, limit).await;
+    let mut page = source.next(limit as usize).await.context("reading records")?;
     if page.rows.is_empty() && page.exhausted && !job.is_first {
         return Ok(Err(ShardStop::NoRows));
     }
@@ -102,12 +104,17 @@ where
             if !keep_going().await? {
                 return Ok(Some(ShardStop::Interrupted));
             }
-            limit = job.page_rows.min(job.shard_rows - rows) as i64;
-            prepaid = pay(job.scan, job.tenant, prepaid, limit as u64).await;
-            page = job.source.page(pool, last_key.as_deref(), limit).await.context("reading records")?;
+            limit = job.page_rows.min(job.shard_rows - rows);
+            prepaid = pay(job.scan, job.tenant, prepaid, limit).await;
+            page = source.next(limit as usize).await.context("reading records")?;
         }
     }
     .await;
+    drop(source);
+    let stop = match stop {
+        Ok(None) => reading.end().await.context("reading records").map(|()| None),
+        other => other, // the read is rolled back with its connection
+    };
     drop(pages);
     let (writer, digest) = encoder.await.context("shard encoder panicked")?.context("encoding shard")?;
     let unfinished = match stop {

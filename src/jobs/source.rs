@@ -1,7 +1,9 @@
 //! Where a shard's rows come from: the dataset as of the watermark (full exports) or the feed's
-//! window chain (incremental exports). Either reads in pages from a resumable position.
+//! window chain (incremental exports). Either is read in pages from a resumable position.
 
-use sqlx::PgPool;
+use futures_util::TryStreamExt;
+use futures_util::stream::BoxStream;
+use sqlx::{PgPool, Postgres, Transaction};
 
 use crate::exports::with_op;
 
@@ -33,40 +35,110 @@ pub struct SourcePage {
     pub exhausted: bool,
 }
 
-impl Source<'_> {
-    /// Up to `limit` rows after position `after` (a key, or `window/key` for changes).
-    pub async fn page(&self, pool: &PgPool, after: Option<&str>, limit: i64) -> anyhow::Result<SourcePage> {
+/// What reading a shard holds open: for a snapshot, the transaction its rows stream in.
+pub struct Reading(Option<Transaction<'static, Postgres>>);
+
+impl Reading {
+    /// Ends the read (commits its read-only transaction, so the connection goes back clean).
+    pub async fn end(self) -> sqlx::Result<()> {
+        match self.0 {
+            Some(tx) => tx.commit().await,
+            None => Ok(()),
+        }
+    }
+}
+
+/// One shard's rows, page after page.
+pub enum Pages<'c> {
+    /// A snapshot's rows: one statement for the whole shard, cut into pages as they arrive, so
+    /// PostgreSQL produces rows while the encoder works instead of waiting for the next query.
+    Stream { rows: BoxStream<'c, sqlx::Result<Record>>, ended: bool },
+    /// A feed's changes: one query per page.
+    Changes { source: &'c Source<'c>, pool: &'c PgPool, after: Option<String> },
+}
+
+impl<'a> Source<'a> {
+    /// Opens what [`pages`](Self::pages) reads from.
+    pub async fn begin(&self, pool: &PgPool) -> sqlx::Result<Reading> {
         match self {
-            Source::Snapshot(query) => {
-                let (rows, exhausted) = query.page_within(pool, after, limit, PAGE_BYTES).await?;
-                let (first, last) = (rows.first().map(|r| r.key.clone()), rows.last().map(|r| r.key.clone()));
-                Ok(SourcePage { rows, first, last, exhausted })
+            Source::Snapshot(_) => Ok(Reading(Some(crate::records::in_key_order(pool).await?))),
+            Source::Changes { .. } => Ok(Reading(None)),
+        }
+    }
+
+    /// The rows after position `after` (a key, or `window/key` for changes), at most `rows`.
+    pub fn pages<'c>(
+        &'c self,
+        pool: &'c PgPool,
+        reading: &'c mut Reading,
+        after: Option<&'c str>,
+        rows: u64,
+    ) -> anyhow::Result<Pages<'c>> {
+        match (self, reading.0.as_mut()) {
+            (Source::Snapshot(query), Some(tx)) => {
+                Ok(Pages::Stream { rows: query.stream(tx, after, rows as i64), ended: false })
             }
-            Source::Changes { feed, from, start_after, until_tick } => {
-                let position = match after {
-                    Some(text) => Some(decode(text)?),
-                    None => match start_after {
-                        Some(key) => {
-                            let window = feeds::next_window(pool, feed.tenant, feed.dataset, from, feed.seal).await?;
-                            window.map(|w| ChainPosition { window_id: w.id, after: (*key).to_owned() })
-                        }
-                        None => None,
-                    },
+            (Source::Changes { .. }, _) => Ok(Pages::Changes { source: self, pool, after: after.map(str::to_owned) }),
+            (Source::Snapshot(_), None) => anyhow::bail!("a snapshot is read in a transaction begun for it"),
+        }
+    }
+
+    /// Up to `limit` changes after position `after`.
+    async fn changes_page(&self, pool: &PgPool, after: Option<&str>, limit: i64) -> anyhow::Result<SourcePage> {
+        let Source::Changes { feed, from, start_after, until_tick } = self else {
+            anyhow::bail!("not a feed's changes");
+        };
+        let position = match after {
+            Some(text) => Some(decode(text)?),
+            None => match start_after {
+                Some(key) => {
+                    let window = feeds::next_window(pool, feed.tenant, feed.dataset, from, feed.seal).await?;
+                    window.map(|w| ChainPosition { window_id: w.id, after: (*key).to_owned() })
+                }
+                None => None,
+            },
+        };
+        let (changes, last, exhausted) =
+            feeds::chain_page(pool, feed, from, *until_tick, position.as_ref(), limit as usize).await?;
+        let first = changes.first().map(|(p, _)| encode(p));
+        let rows = changes
+            .into_iter()
+            .map(|(_, change)| {
+                let data = match (change.op, change.data) {
+                    (Op::Upsert, Some(data)) => with_op("upsert", data.get()),
+                    _ => with_op("delete", "{}"),
                 };
-                let (changes, last, exhausted) =
-                    feeds::chain_page(pool, feed, from, *until_tick, position.as_ref(), limit as usize).await?;
-                let first = changes.first().map(|(p, _)| encode(p));
-                let rows = changes
-                    .into_iter()
-                    .map(|(_, change)| {
-                        let data = match (change.op, change.data) {
-                            (Op::Upsert, Some(data)) => with_op("upsert", data.get()),
-                            _ => with_op("delete", "{}"),
-                        };
-                        Record { key: change.key, data }
-                    })
-                    .collect();
-                Ok(SourcePage { rows, first, last: last.as_ref().map(encode), exhausted })
+                Record { key: change.key, data }
+            })
+            .collect();
+        Ok(SourcePage { rows, first, last: last.as_ref().map(encode), exhausted })
+    }
+}
+
+impl Pages<'_> {
+    /// The next page: up to `limit` rows, fewer once they hold [`PAGE_BYTES`].
+    pub async fn next(&mut self, limit: usize) -> anyhow::Result<SourcePage> {
+        match self {
+            Pages::Stream { rows, ended } => {
+                let (mut page, mut bytes) = (Vec::new(), 0);
+                while !*ended && page.len() < limit && bytes < PAGE_BYTES {
+                    match rows.try_next().await? {
+                        Some(record) => {
+                            bytes += record.key.len() + record.data.len();
+                            page.push(record);
+                        }
+                        None => *ended = true,
+                    }
+                }
+                let (first, last) = (page.first().map(|r| r.key.clone()), page.last().map(|r| r.key.clone()));
+                Ok(SourcePage { rows: page, first, last, exhausted: *ended })
+            }
+            Pages::Changes { source, pool, after } => {
+                let page = source.changes_page(pool, after.as_deref(), limit as i64).await?;
+                if page.last.is_some() {
+                    after.clone_from(&page.last);
+                }
+                Ok(page)
             }
         }
     }

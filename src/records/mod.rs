@@ -162,7 +162,7 @@ impl<'a> AsOf<'a> {
         use futures_util::TryStreamExt;
         let mut tx = in_key_order(pool).await?;
         let (mut rows, mut bytes, mut stopped_early) = (Vec::new(), 0usize, false);
-        let mut stream = page_statement!(checked_page(self, after, limit)).fetch(&mut *tx);
+        let mut stream = self.stream(&mut tx, after, limit);
         while let Some(record) = stream.try_next().await? {
             bytes += record.key.len() + record.data.len();
             rows.push(record);
@@ -175,6 +175,20 @@ impl<'a> AsOf<'a> {
         tx.commit().await?;
         let ended = !stopped_early && (rows.len() as i64) < limit;
         Ok((rows, ended))
+    }
+
+    /// Up to `limit` records in key order after key `after`, as one statement streamed on
+    /// `conn`, a transaction begun by [`in_key_order`]. The reader takes rows at its own pace
+    /// (PostgreSQL waits on the socket), so a long read costs neither memory nor the round
+    /// trips and index descents of page after page — but holds the transaction (and its
+    /// connection) until the stream is dropped.
+    pub fn stream<'c>(
+        &'c self,
+        conn: &'c mut sqlx::PgConnection,
+        after: Option<&'c str>,
+        limit: i64,
+    ) -> futures_util::stream::BoxStream<'c, sqlx::Result<Record>> {
+        page_statement!(checked_page(self, after, limit)).fetch(conn)
     }
 
     /// How many records follow key `after` (at most `limit`), and the last of their keys: where
