@@ -6,7 +6,7 @@
 use anyhow::Context;
 use tokio::sync::mpsc;
 
-use super::source::Source;
+use super::source::{Reading, Source};
 use crate::quota::ScanLimits;
 use crate::records::Record;
 use crate::storage::{ArtifactStore, ObjectKey, ObjectWriter};
@@ -72,8 +72,9 @@ where
         Err(wait) if job.may_defer => return Ok(Err(ShardStop::Throttled(wait))),
         Err(_) => 0,
     };
-    let mut reading = job.source.begin(pool).await.context("reading records")?;
-    let mut source = job.source.pages(pool, &mut reading, job.after.as_deref(), job.shard_rows)?;
+    let mut reading = Reading::default();
+    let mut source =
+        job.source.pages(pool, &mut reading, job.after.as_deref(), job.shard_rows).await.context("reading records")?;
     let mut limit = job.page_rows.min(job.shard_rows);
     prepaid = pay(job.scan, job.tenant, prepaid, limit).await;
     let mut page = source.next(limit as usize).await.context("reading records")?;

@@ -36,6 +36,7 @@ pub struct SourcePage {
 }
 
 /// What reading a shard holds open: for a snapshot, the transaction its rows stream in.
+#[derive(Default)]
 pub struct Reading(Option<Transaction<'static, Postgres>>);
 
 impl Reading {
@@ -58,28 +59,21 @@ pub enum Pages<'c> {
 }
 
 impl<'a> Source<'a> {
-    /// Opens what [`pages`](Self::pages) reads from.
-    pub async fn begin(&self, pool: &PgPool) -> sqlx::Result<Reading> {
-        match self {
-            Source::Snapshot(_) => Ok(Reading(Some(crate::records::in_key_order(pool).await?))),
-            Source::Changes { .. } => Ok(Reading(None)),
-        }
-    }
-
-    /// The rows after position `after` (a key, or `window/key` for changes), at most `rows`.
-    pub fn pages<'c>(
+    /// The rows after position `after` (a key, or `window/key` for changes), at most `rows`;
+    /// whatever the read holds open is kept in `reading`.
+    pub async fn pages<'c>(
         &'c self,
         pool: &'c PgPool,
         reading: &'c mut Reading,
         after: Option<&'c str>,
         rows: u64,
-    ) -> anyhow::Result<Pages<'c>> {
-        match (self, reading.0.as_mut()) {
-            (Source::Snapshot(query), Some(tx)) => {
+    ) -> sqlx::Result<Pages<'c>> {
+        match self {
+            Source::Snapshot(query) => {
+                let tx = reading.0.insert(crate::records::in_key_order(pool).await?);
                 Ok(Pages::Stream { rows: query.stream(tx, after, rows as i64), ended: false })
             }
-            (Source::Changes { .. }, _) => Ok(Pages::Changes { source: self, pool, after: after.map(str::to_owned) }),
-            (Source::Snapshot(_), None) => anyhow::bail!("a snapshot is read in a transaction begun for it"),
+            Source::Changes { .. } => Ok(Pages::Changes { source: self, pool, after: after.map(str::to_owned) }),
         }
     }
 

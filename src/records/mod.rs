@@ -147,34 +147,11 @@ impl<'a> AsOf<'a> {
     /// Up to `limit` records in key (byte) order after key `after`. Exact from any transaction
     /// that began after the snapshot was taken; no transaction needs to stay open between pages.
     pub async fn page(&self, pool: &PgPool, after: Option<&str>, limit: i64) -> sqlx::Result<Vec<Record>> {
-        Ok(self.page_within(pool, after, limit, usize::MAX).await?.0)
-    }
-
-    /// [`page`](Self::page), stopping early once the rows read hold `max_bytes` (records are
-    /// streamed, so memory follows bytes, not rows). Also says whether the dataset ended.
-    pub async fn page_within(
-        &self,
-        pool: &PgPool,
-        after: Option<&str>,
-        limit: i64,
-        max_bytes: usize,
-    ) -> sqlx::Result<(Vec<Record>, bool)> {
         use futures_util::TryStreamExt;
         let mut tx = in_key_order(pool).await?;
-        let (mut rows, mut bytes, mut stopped_early) = (Vec::new(), 0usize, false);
-        let mut stream = self.stream(&mut tx, after, limit);
-        while let Some(record) = stream.try_next().await? {
-            bytes += record.key.len() + record.data.len();
-            rows.push(record);
-            if bytes >= max_bytes && (rows.len() as i64) < limit {
-                stopped_early = true;
-                break;
-            }
-        }
-        drop(stream);
+        let rows = self.stream(&mut tx, after, limit).try_collect().await?;
         tx.commit().await?;
-        let ended = !stopped_early && (rows.len() as i64) < limit;
-        Ok((rows, ended))
+        Ok(rows)
     }
 
     /// Up to `limit` records in key order after key `after`, as one statement streamed on
