@@ -58,8 +58,10 @@ pub struct NewShard<'a> {
 }
 
 /// Adds `shard` to the plan (if given) and records whether the plan is now complete, only
-/// under the job's lease. Repeating a step adds nothing twice; a shard checkpointed before the
-/// plan existed (a job from before plans) is planned as done.
+/// under the job's lease, and only while it is live: a holder that stalled past it stops
+/// planning, so its planner never holds the job's row while another worker tries to take over
+/// (claims skip locked rows). Repeating a step adds nothing twice; a shard checkpointed before
+/// the plan existed (a job from before plans) is planned as done.
 pub async fn extend(
     pool: &PgPool,
     lease: Lease,
@@ -70,7 +72,7 @@ pub async fn extend(
     let planned = shard.map_or(0, |s| s.index + 1);
     let fenced = sqlx::query!(
         "UPDATE export_jobs SET planned_shards = GREATEST(planned_shards, $3), plan_complete = $4
-         WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING'",
+         WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING' AND lease_expires_at >= now()",
         lease.job_id,
         lease.generation,
         planned,
