@@ -1,6 +1,7 @@
-//! Helping: a worker with no job of its own writes a free planned shard of a running full
-//! export, so one export's shards run on every free worker slot, in any process. The helper
-//! holds only that shard's lease; the job's lease holder plans, verifies and publishes.
+//! Helping: a worker with no job of its own writes a free counted shard of a running full
+//! export — counting the next one itself when none is free — so one export's shards run on
+//! every free worker slot, in any process. The helper holds only that shard's lease; the job's
+//! lease holder verifies and publishes.
 
 use tracing::Instrument;
 
@@ -8,21 +9,32 @@ use super::WorkerDeps;
 use super::ending::{self, authorized};
 use super::heartbeat::Heartbeat;
 use super::plan::Plan;
+use super::planner;
 use super::runner::Step;
 use super::shard_task::{ShardTask, Written};
 use crate::exports::ExportJob;
 use crate::exports::store::lease::{Fence, LeaseLost};
 use crate::exports::store::plan::{self as shard_plan, PlannedShard, ShardLease};
 
-/// Takes a free planned shard, if any, and writes it. `None`: nothing to help with.
+/// Takes a free counted shard, if any — counting one ahead when none is free — and writes it.
+/// `None`: nothing to help with.
 pub async fn help(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Option<Step>> {
     let resting = deps.scan.resting().tenants;
-    let Some((job, shard)) = shard_plan::claim_any(&deps.pool, worker_id, deps.config.lease_ttl, &resting).await?
-    else {
-        return Ok(None);
-    };
-    let span = tracing::info_span!("export", export = %job.id, tenant = %job.tenant, shard = shard.shard_index);
-    write_planned_shard(deps, worker_id, job, shard).instrument(span).await.map(Some)
+    // Another helper or the coordinator may take the shard just counted: a few tries, then idle.
+    for _ in 0..3 {
+        let claimed = shard_plan::claim_any(&deps.pool, worker_id, deps.config.lease_ttl, &resting).await?;
+        if let Some((job, shard)) = claimed {
+            let span = tracing::info_span!("export", export = %job.id, tenant = %job.tenant, shard = shard.shard_index);
+            return write_planned_shard(deps, worker_id, job, shard).instrument(span).await.map(Some);
+        }
+        let Some(job) = shard_plan::plannable(&deps.pool, &resting).await? else {
+            return Ok(None);
+        };
+        if !planner::count_ahead(deps, &job).await? {
+            return Ok(None);
+        }
+    }
+    Ok(None)
 }
 
 /// Writes a planned shard of `job` under its own lease (the helper's whole part in an export).
@@ -80,7 +92,7 @@ async fn write_planned_shard(
             None => Step::LeaseLost,
             Some((code, detail)) => fail(code, &detail).await?,
         },
-        // A full export's planned shard has its rows counted; neither happens.
+        // A helper writes only counted shards, never empty ones past the first; neither happens.
         Written::Empty | Written::TooManyRows => fail("non-deterministic-output", "a planned shard changed").await?,
     };
     Ok(step)

@@ -1,35 +1,27 @@
-//! A full export's shard plan, made while its first shards are already being written.
+//! A full export's shard plan, grown only as far as someone needs it.
 //!
-//! The coordinator plans the first shard itself; a planner task plans the rest — one counting
-//! index pass per shard, PostgreSQL's work — while the coordinator (and helpers in any process)
-//! write the shards planned so far, so with one slot the planning no longer comes before the
-//! writing. Every extension is fenced by the job's lease: the task ends when the plan is
-//! complete, when the lease is lost (a takeover, a cancel request, or the job given back), or
-//! when the export would break a limit. When the run that started it ends, the task is told to
-//! stop and does so between two shards: it is never cut off inside a statement or transaction
-//! (an aborted future could leave a transaction holding the job's row on a pooled connection).
-//! A run that gives its lease up waits for the task first (see `ClaimedExport::release`).
-
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-
-use anyhow::Context;
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
-use tracing::Instrument;
+//! Every shard but the last holds exactly `shard_rows` rows: shard k is the next `shard_rows`
+//! rows (in key order, under the snapshot) after shard k-1's last key. So the coordinator plans
+//! its next shard open-ended — it ends wherever its row limit stops — and a worker writing an
+//! export alone never counts a row it does not write (counting every shard ahead used to cost a
+//! tenth of a one-slot export, on the same cores). A helper with nothing to take counts ahead
+//! instead: the frontier shard's end if nobody knows it yet, then the shard after it, which it
+//! plans with its rows and last key and then takes. A boundary is the same whoever finds it, so
+//! the bytes equal a one-worker run. The limits follow from the same arithmetic: shard k starts
+//! after `k × shard_rows` rows.
 
 use super::WorkerDeps;
 use super::plan::Plan;
 use crate::exports::ExportJob;
 use crate::exports::store::lease::{Lease, LeaseLost};
-use crate::exports::store::plan::{self as shard_plan, NewShard, PlannedShard};
+use crate::exports::store::plan::{self as shard_plan, Frontier, NewShard, Planner, ShardEnd};
 
-/// What one planning step did.
-pub(super) enum Extended {
-    /// Planned one more shard; more follow.
-    More,
-    /// The plan is complete.
-    Complete,
+/// What the coordinator's planning step did.
+pub(super) enum Appended {
+    /// Planned one more shard, or learned that the plan is complete.
+    Grown,
+    /// The last planned shard is free: write it first.
+    FrontierFree,
     /// The export would break a limit: fail it with this code and detail.
     Failed {
         code: &'static str,
@@ -38,129 +30,103 @@ pub(super) enum Extended {
     LeaseLost,
 }
 
-/// Where planning stands: the last planned shard and the rows planned so far.
-pub(super) struct Cursor {
-    pub(super) last: Option<PlannedShard>,
-    pub(super) planned_rows: u64,
-}
-
-/// Plans the shard after `cursor.last` (counting its rows under the snapshot) and records it,
-/// or completes the plan when no full shard is left. With `stop` set once the rows are counted,
-/// nothing is recorded (`More`, the cursor unchanged): a stopped planner never writes again.
-pub(super) async fn plan_next(
-    deps: &WorkerDeps,
-    job: &ExportJob,
-    plan: &Plan,
-    lease: Lease,
-    cursor: &mut Cursor,
-    stop: Option<&AtomicBool>,
-) -> anyhow::Result<Extended> {
-    let last = &cursor.last;
-    let index = last.as_ref().map_or(0, |l| l.shard_index + 1);
-    let after = last.as_ref().and_then(|l| l.last_key.clone());
-    let full_before = last.as_ref().is_none_or(|l| l.rows.unwrap_or(0) as u64 >= plan.shard_rows);
-    let (rows, last_key) = if full_before {
-        plan.as_of().span(&deps.pool, after.as_deref(), plan.shard_rows as i64).await?
-    } else {
-        (0, None)
+/// The coordinator's step: plans the shard after the frontier, open-ended, or completes the
+/// plan when the frontier is the last shard.
+pub(super) async fn append(deps: &WorkerDeps, job: &ExportJob, plan: &Plan, lease: Lease) -> anyhow::Result<Appended> {
+    let holder = Planner::Holder(lease);
+    let Some(front) = shard_plan::frontier(&deps.pool, job.id).await? else {
+        let first = NewShard { index: 0, after_key: None, last_key: None, rows: None };
+        return grown(shard_plan::extend(&deps.pool, holder, None, Some(&first), false).await?);
     };
-    if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
-        return Ok(Extended::More);
+    if front.free {
+        return Ok(Appended::FrontierFree);
     }
-    let complete = (rows as u64) < plan.shard_rows;
-    let next = NewShard { index, after_key: after.as_deref(), last_key: last_key.as_deref(), rows: Some(rows) };
-    // Shard 0 exists even when empty (the header); an empty shard after it does not.
-    let shard = (index == 0 || rows > 0).then_some(&next);
-    if shard.is_some() {
-        let max_shards = deps.config.max_shards;
-        if index as u32 >= max_shards {
+    let end = end_of(deps, plan, &front).await?;
+    let (rows, last_key) = (end.rows, end.last_key.as_deref());
+    let index = front.shard_index + 1;
+    let mut complete = (rows as u64) < plan.shard_rows;
+    if !complete && index as u32 >= deps.config.max_shards {
+        // The limit matters only if a row follows.
+        let (more, _) = plan.as_of().span(&deps.pool, last_key, 1).await?;
+        if more > 0 {
+            let max_shards = deps.config.max_shards;
             let detail = format!(
                 "the export would have more than {max_shards} shards; create it again with a larger shard_rows"
             );
-            return Ok(Extended::Failed { code: "too-many-shards", detail });
+            return Ok(Appended::Failed { code: "too-many-shards", detail });
         }
-        let max_rows = deps.registry.get(&job.tenant).map_or(0, |t| t.quota.max_rows_per_export);
-        if cursor.planned_rows + rows as u64 > max_rows {
-            let detail = format!("the export has more than {max_rows} rows, the tenant's max_rows_per_export");
-            return Ok(Extended::Failed { code: "too-many-rows", detail });
-        }
+        complete = true;
     }
-    if let Err(LeaseLost) = shard_plan::extend(&deps.pool, lease, shard, complete).await? {
-        return Ok(Extended::LeaseLost);
-    }
-    if complete {
-        return Ok(Extended::Complete);
-    }
-    cursor.planned_rows += rows as u64;
-    cursor.last = Some(PlannedShard {
-        shard_index: index,
-        after_key: after,
-        last_key,
-        rows: Some(rows),
-        writer_attempt: 0,
-        takeovers: 0,
-    });
-    Ok(Extended::More)
+    let next = NewShard { index, after_key: last_key, last_key: None, rows: None };
+    let shard = (!complete).then_some(&next);
+    grown(shard_plan::extend(&deps.pool, holder, end.to_record(front.shard_index).as_ref(), shard, complete).await?)
 }
 
-/// The planner task of one run. Dropping it tells the task to stop after the current shard.
-pub(super) struct Planner {
-    task: JoinHandle<anyhow::Result<Extended>>,
-    /// Shards the task has planned so far; closed when it ends.
-    planned: watch::Receiver<u32>,
-    stop: Arc<AtomicBool>,
+fn grown(extended: Result<(), LeaseLost>) -> anyhow::Result<Appended> {
+    Ok(match extended {
+        Ok(()) => Appended::Grown,
+        Err(LeaseLost) => Appended::LeaseLost,
+    })
 }
 
-impl Planner {
-    /// Plans the rest of `job`'s shards after `cursor`, in the background.
-    pub(super) fn start(
-        deps: &WorkerDeps,
-        job: &ExportJob,
-        lease: Lease,
-        mut cursor: Cursor,
-    ) -> anyhow::Result<Planner> {
-        let (deps, job) = (deps.clone(), job.clone());
-        let plan = Plan::from_job(&job)?;
-        let (planned_tx, planned) = watch::channel(0u32);
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = stop.clone();
-        let task = tokio::spawn(
-            async move {
-                loop {
-                    if stopped.load(Ordering::Relaxed) {
-                        return Ok(Extended::More); // the run ended; the next one plans on
-                    }
-                    match plan_next(&deps, &job, &plan, lease, &mut cursor, Some(&stopped)).await? {
-                        Extended::More => planned_tx.send_modify(|n| *n += 1),
-                        end => return Ok(end),
-                    }
-                }
-            }
-            .instrument(tracing::Span::current()),
-        );
-        Ok(Planner { task, planned, stop })
-    }
-
-    /// Tells the task to stop and waits until it has (after the shard it is planning, if any).
-    pub(super) async fn stop(mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Err(e) = (&mut self.task).await {
-            tracing::warn!(error = %e, "the shard planner panicked");
+/// A helper's step: plans the shard after `job`'s frontier with its rows counted, so that it
+/// can be taken. `false`: nothing to plan (no first shard yet, the plan is complete, a limit is
+/// reached — the coordinator fails the export when it gets there — or the job stopped).
+pub(super) async fn count_ahead(deps: &WorkerDeps, job: &ExportJob) -> anyhow::Result<bool> {
+    let plan = Plan::from_job(job)?;
+    let Some(front) = shard_plan::frontier(&deps.pool, job.id).await? else {
+        return Ok(false);
+    };
+    let end = end_of(deps, &plan, &front).await?;
+    let (rows, last_key) = (end.rows, end.last_key.as_deref());
+    let end = end.to_record(front.shard_index);
+    let helper = Planner::Helper(job.id);
+    let record_end = async |complete: bool| -> anyhow::Result<bool> {
+        if end.is_some() || complete {
+            shard_plan::extend(&deps.pool, helper, end.as_ref(), None, complete).await?.ok();
         }
+        Ok(false)
+    };
+    if (rows as u64) < plan.shard_rows {
+        return record_end(true).await; // the frontier is the last shard
     }
+    let index = front.shard_index + 1;
+    let before = index as u64 * plan.shard_rows;
+    let max_rows = deps.registry.get(&job.tenant).map_or(0, |t| t.quota.max_rows_per_export);
+    if index as u32 >= deps.config.max_shards || before >= max_rows {
+        return record_end(false).await;
+    }
+    let (next_rows, next_last) = plan.as_of().span(&deps.pool, last_key, plan.shard_rows as i64).await?;
+    if next_rows == 0 {
+        return record_end(true).await;
+    }
+    if before + next_rows as u64 > max_rows {
+        return record_end(false).await;
+    }
+    let next = NewShard { index, after_key: last_key, last_key: next_last.as_deref(), rows: Some(next_rows) };
+    let complete = (next_rows as u64) < plan.shard_rows;
+    Ok(shard_plan::extend(&deps.pool, helper, end.as_ref(), Some(&next), complete).await?.is_ok())
+}
 
-    /// Waits until the task has planned another shard (`None`) or has ended (how).
-    pub(super) async fn next(&mut self) -> anyhow::Result<Option<Extended>> {
-        if self.planned.changed().await.is_ok() {
-            return Ok(None);
-        }
-        let ended = (&mut self.task).await.context("the shard planner panicked")?;
-        ended.map(Some)
+/// Where the frontier shard ends.
+struct End {
+    rows: i64,
+    last_key: Option<String>,
+    /// Counted just now: to be recorded in the plan.
+    counted: bool,
+}
+
+impl End {
+    fn to_record(&self, index: i32) -> Option<ShardEnd<'_>> {
+        self.counted.then_some(ShardEnd { index, last_key: self.last_key.as_deref(), rows: self.rows })
     }
 }
 
-impl Drop for Planner {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+/// Where the frontier ends: known (counted or written), or counted now.
+async fn end_of(deps: &WorkerDeps, plan: &Plan, front: &Frontier) -> anyhow::Result<End> {
+    if let Some(rows) = front.rows {
+        return Ok(End { rows, last_key: front.last_key.clone(), counted: false });
     }
+    let (rows, last_key) = plan.as_of().span(&deps.pool, front.after_key.as_deref(), plan.shard_rows as i64).await?;
+    Ok(End { rows, last_key, counted: true })
 }

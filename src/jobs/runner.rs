@@ -8,7 +8,7 @@ use super::WorkerDeps;
 use super::ending::{self, authorized};
 use super::heartbeat::Heartbeat;
 use super::plan::Plan;
-use super::planner::{self, Extended, Planner};
+use super::planner::{self, Appended};
 use super::shard_task::{ShardTask, Written};
 use crate::exports::store::lease::{self, Fence, Lease, LeaseLost, Publication, Refused};
 use crate::exports::store::plan::{self as shard_plan, NewShard, PlannedShard};
@@ -90,8 +90,15 @@ pub struct ClaimedExport {
     rows_done: u64,
     phase: Phase,
     heartbeat: Heartbeat,
-    /// Plans a full export's remaining shards while this run writes the first ones.
-    planner: Option<Planner>,
+}
+
+/// What a planning step left to do.
+enum Planning {
+    /// Go on writing.
+    Write,
+    /// Nothing was planned: the last planned shard is free, so writing takes it.
+    FrontierFree,
+    Stop(Step),
 }
 
 impl ClaimedExport {
@@ -125,7 +132,6 @@ impl ClaimedExport {
             to_verify,
             phase: Phase::Start,
             heartbeat: Heartbeat::new(deps, Some(lease)),
-            planner: None,
         }))
     }
 
@@ -141,6 +147,7 @@ impl ClaimedExport {
 
     /// Does the next piece of work and says what it was.
     pub async fn step(&mut self) -> anyhow::Result<Step> {
+        let mut frontier_free = false;
         loop {
             match self.phase {
                 Phase::Start => {
@@ -160,8 +167,10 @@ impl ClaimedExport {
                     self.phase = Phase::Plan;
                 }
                 Phase::Plan => {
-                    if let Some(stop) = self.extend_plan().await? {
-                        return Ok(stop);
+                    match self.extend_plan().await? {
+                        Planning::Stop(stop) => return Ok(stop),
+                        Planning::FrontierFree => frontier_free = true,
+                        Planning::Write => {}
                     }
                     self.phase = if self.verified < self.to_verify.len() { Phase::Verify } else { Phase::Write };
                 }
@@ -192,13 +201,10 @@ impl ClaimedExport {
                     let progress = shard_plan::progress(&self.deps.pool, self.job.id).await?;
                     if progress.all_written() {
                         self.phase = Phase::Publish;
-                    } else if self.plan.chain.is_some() {
+                    } else if !progress.plan_complete && !frontier_free {
                         self.phase = Phase::Plan;
-                    } else if !progress.plan_complete {
-                        if let Some(stop) = self.await_planner().await? {
-                            return Ok(stop);
-                        }
                     } else {
+                        // Everything planned is being written by others (or just taken).
                         return Ok(Step::Waiting);
                     }
                 }
@@ -240,8 +246,7 @@ impl ClaimedExport {
     }
 
     /// Gives the job back so another worker can continue at once (shutdown, or yielding).
-    pub async fn release(mut self) -> anyhow::Result<()> {
-        self.stop_planner().await;
+    pub async fn release(self) -> anyhow::Result<()> {
         self.release_shard().await?;
         lease::release(&self.deps.pool, self.lease).await?;
         tracing::info!(export = %self.job.id, "released export lease");
@@ -251,21 +256,11 @@ impl ClaimedExport {
     /// Gives the job back after a run that cannot go on (an error that outlived its retries):
     /// claimable at once instead of after the lease expires; the next claim verifies the
     /// checkpoints again and counts an attempt, unless the run was `interrupted` by an outage.
-    pub async fn give_back(mut self, interrupted: bool) -> anyhow::Result<()> {
-        self.stop_planner().await;
+    pub async fn give_back(self, interrupted: bool) -> anyhow::Result<()> {
         self.release_shard().await?;
         lease::give_back(&self.deps.pool, self.lease, interrupted).await?;
         tracing::info!(export = %self.job.id, "gave the export back after an error");
         Ok(())
-    }
-
-    /// Stops the planner before the job's lease is given up: while the job is lease-free no
-    /// transaction of this run may hold its row (a claim passes over locked rows, and could then
-    /// start another of the tenant's exports beyond `max_running_exports`).
-    async fn stop_planner(&mut self) {
-        if let Some(planner) = self.planner.take() {
-            planner.stop().await;
-        }
     }
 
     /// The shard this run was writing when it stopped, if any, goes back to be taken at once.
@@ -286,18 +281,17 @@ impl ClaimedExport {
         }
     }
 
-    /// Plans the shards not planned yet. A full export plans its next shard here and the rest in
-    /// a [`Planner`] task, counting each shard's rows under the snapshot while this run (and
-    /// helpers) write the ones planned; an incremental export plans its next shard where the
-    /// last one ended, once every planned one is written.
-    async fn extend_plan(&mut self) -> anyhow::Result<Option<Step>> {
+    /// Plans the next shard, if one is needed: a full export's open-ended after the last
+    /// planned one (see [`planner`]); an incremental export's where the last one ended, once
+    /// every planned one is written.
+    async fn extend_plan(&mut self) -> anyhow::Result<Planning> {
         let progress = shard_plan::progress(&self.deps.pool, self.job.id).await?;
         if progress.plan_complete {
-            return Ok(None);
+            return Ok(Planning::Write);
         }
         if self.plan.chain.is_some() {
             if progress.planned_shards > progress.shards_done {
-                return Ok(None);
+                return Ok(Planning::Write);
             }
             let last = exports::store::shards::last(&self.deps.pool, self.job.id).await?;
             let complete = last.as_ref().is_some_and(|c| (c.rows as u64) < self.plan.shard_rows);
@@ -308,60 +302,28 @@ impl ClaimedExport {
                 rows: None,
             };
             let shard = (!complete).then_some(&next);
-            return match shard_plan::extend(&self.deps.pool, self.lease, shard, complete).await? {
-                Ok(()) => Ok(None),
-                Err(LeaseLost) => Ok(Some(self.after_refused_write().await?)),
+            let holder = shard_plan::Planner::Holder(self.lease);
+            return match shard_plan::extend(&self.deps.pool, holder, None, shard, complete).await? {
+                Ok(()) => Ok(Planning::Write),
+                Err(LeaseLost) => Ok(Planning::Stop(self.after_refused_write().await?)),
             };
         }
-        // The next shard here, so there is one to write; the rest in the background.
         if let Some(stop) = self.renew().await? {
-            return Ok(Some(stop));
+            return Ok(Planning::Stop(stop));
         }
-        let (last, planned_rows) = shard_plan::last_planned(&self.deps.pool, self.job.id).await?;
-        let mut cursor = planner::Cursor { last, planned_rows };
-        match planner::plan_next(&self.deps, &self.job, &self.plan, self.lease, &mut cursor, None).await? {
-            Extended::More => {
-                self.planner = Some(Planner::start(&self.deps, &self.job, self.lease, cursor)?);
-                Ok(None)
-            }
-            ended => self.planning_ended(ended).await,
-        }
+        Ok(match planner::append(&self.deps, &self.job, &self.plan, self.lease).await? {
+            Appended::Grown => Planning::Write,
+            Appended::FrontierFree => Planning::FrontierFree,
+            Appended::Failed { code, detail } => Planning::Stop(self.fail(code, &detail).await?),
+            Appended::LeaseLost => Planning::Stop(self.after_refused_write().await?),
+        })
     }
 
-    /// Waits until this run's planner has ended (a full export's plan is then complete, unless
-    /// the step returned says why not). For tests and diagnostics: runs wait only when they must.
-    pub async fn finish_planning(&mut self) -> anyhow::Result<Option<Step>> {
-        while self.planner.is_some() {
-            if let Some(stop) = self.await_planner().await? {
-                return Ok(Some(stop));
-            }
-        }
-        Ok(None)
-    }
-
-    /// Nothing planned is free to write, but the plan is incomplete: waits for the planner's
-    /// next shard or its end (planning anew if this run has no planner).
-    async fn await_planner(&mut self) -> anyhow::Result<Option<Step>> {
-        let Some(planner) = &mut self.planner else {
-            self.phase = Phase::Plan;
-            return Ok(None);
-        };
-        let next = planner.next().await;
-        if !matches!(next, Ok(None)) {
-            self.planner = None; // it has ended
-        }
-        match next? {
-            None => Ok(None),
-            Some(ended) => self.planning_ended(ended).await,
-        }
-    }
-
-    async fn planning_ended(&mut self, ended: Extended) -> anyhow::Result<Option<Step>> {
-        match ended {
-            Extended::More | Extended::Complete => Ok(None),
-            Extended::Failed { code, detail } => Ok(Some(self.fail(code, &detail).await?)),
-            Extended::LeaseLost => Ok(Some(self.after_refused_write().await?)),
-        }
+    /// Counts and plans every shard of a full export left to plan, now, as helpers do one at a
+    /// time. For tests and diagnostics: a run plans no further than it writes.
+    pub async fn plan_ahead(&self) -> anyhow::Result<()> {
+        while planner::count_ahead(&self.deps, &self.job).await? {}
+        Ok(())
     }
 
     async fn verify_shard(&mut self, index: usize) -> anyhow::Result<Step> {
@@ -415,18 +377,23 @@ impl ClaimedExport {
         let max_rows = self.deps.registry.get(&self.job.tenant).map_or(0, |t| t.quota.max_rows_per_export);
         let index = shard.shard_index;
         let planned_rows = shard.rows;
+        // Every shard of a full export before this one holds `shard_rows` rows.
+        let rows_before =
+            if self.plan.chain.is_some() { self.rows_done } else { index.max(0) as u64 * self.plan.shard_rows };
         // A new shard may wait for the tenant's scan budget elsewhere (Throttled); a rewrite may not.
-        let task = ShardTask { rows_allowed: max_rows.saturating_sub(self.rows_done), ..self.task(shard) };
+        let task = ShardTask { rows_allowed: max_rows.saturating_sub(rows_before), ..self.task(shard) };
         self.heartbeat.writing(Some(task.lease()));
         match task.run(&self.heartbeat).await? {
             Written::Recorded { checkpoint, progress } => {
                 self.heartbeat.writing(None);
                 let rows = checkpoint.rows as u64;
                 self.rows_done += rows;
-                // An incremental export's shard that is not full is its last.
+                // An open-ended shard that is not full is the last: the plan is complete then.
                 let last = progress.all_written() || (planned_rows.is_none() && rows < self.plan.shard_rows);
-                if last {
-                    self.phase = if self.plan.chain.is_some() { Phase::Plan } else { Phase::Publish };
+                if progress.all_written() && self.plan.chain.is_none() {
+                    self.phase = Phase::Publish;
+                } else if last {
+                    self.phase = Phase::Plan;
                 }
                 Ok(Step::ShardWritten { index: index as u32, rows, last })
             }
@@ -434,6 +401,9 @@ impl ClaimedExport {
                 self.heartbeat.writing(None);
                 if let Err(LeaseLost) = shard_plan::drop_empty(&self.deps.pool, self.lease, index).await? {
                     return self.after_refused_write().await;
+                }
+                if !shard_plan::progress(&self.deps.pool, self.job.id).await?.all_written() {
+                    return Ok(Step::Waiting); // helpers are still writing earlier shards
                 }
                 self.phase = Phase::Publish;
                 self.publish().await

@@ -1,7 +1,6 @@
-//! One export written by several workers at once: the job's lease holder plans the shards (a
-//! planner task counts them while it writes the first) and
-//! publishes, idle workers (any process) write planned shards under per-shard leases, and the
-//! result is byte for byte a one-worker run.
+//! One export written by several workers at once: the job's lease holder plans its next shard
+//! open-ended and publishes, idle workers (any process) count the shards ahead of it and write
+//! them under per-shard leases, and the result is byte for byte a one-worker run.
 
 use crate::common::{TestApp, expire_lease, full_csv};
 use exportd::jobs::{ClaimedExport, Outcome, Step, WorkerDeps, run_next_job};
@@ -44,14 +43,30 @@ async fn one_worker_reference(app: &TestApp, token: &str) -> Value {
     manifest(app, token, &id).await
 }
 
-/// A new export in shards of 20 rows, claimed by "w1", which wrote shard 0 while its planner
-/// planned the rest; returns once the plan is complete.
+/// Shards planned so far, and whether the plan is complete.
+async fn planned(app: &TestApp, id: &str) -> (i32, bool) {
+    sqlx::query_as("SELECT planned_shards, plan_complete FROM export_jobs WHERE id = $1::uuid")
+        .bind(id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
+/// A new export in shards of 20 rows, claimed by "w1", which wrote shard 0 — planned no further.
 async fn started(app: &TestApp, token: &str) -> (String, WorkerDeps, ClaimedExport) {
     let id = app.export(token, &full_csv(20)).await;
     let deps = app.deps();
     let mut coordinator = ClaimedExport::claim(&deps, "w1").await.unwrap().unwrap();
     assert_eq!(coordinator.step().await.unwrap(), Step::ShardWritten { index: 0, rows: 20, last: false });
-    assert_eq!(coordinator.finish_planning().await.unwrap(), None);
+    assert_eq!(planned(app, &id).await, (1, false), "a worker alone counts nothing ahead");
+    (id, deps, coordinator)
+}
+
+/// [`started`], then every shard counted and planned (as helpers would, one at a time).
+async fn fully_planned(app: &TestApp, token: &str) -> (String, WorkerDeps, ClaimedExport) {
+    let (id, deps, coordinator) = started(app, token).await;
+    coordinator.plan_ahead().await.unwrap();
+    assert_eq!(planned(app, &id).await, (6, true));
     (id, deps, coordinator)
 }
 
@@ -77,26 +92,22 @@ async fn an_idle_worker_writes_shards_of_a_running_export_with_identical_bytes(p
     let reference = one_worker_reference(&app, &admin).await;
 
     let (id, deps, mut coordinator) = started(&app, &admin).await;
-    let planned: (i32, bool) =
-        sqlx::query_as("SELECT planned_shards, plan_complete FROM export_jobs WHERE id = $1::uuid")
-            .bind(&id)
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
-    assert_eq!(planned, (6, true), "the plan is whole once the planner ends");
 
-    // "w2" finds no job of its own to claim, so it helps: each run writes one free shard.
+    // "w2" finds no job of its own to claim, so it helps: each run counts the next shard and
+    // writes it.
     let (_keep, shutdown) = watch::channel(false);
-    for _ in 0..2 {
+    for shards in [2, 3] {
         assert_eq!(run_next_job(&deps, "w2", &shutdown).await.unwrap(), Outcome::Ran(Step::Yielded));
+        assert_eq!(planned(&app, &id).await, (shards, false), "one shard counted per helper run");
     }
+    // The coordinator goes on after the helped shards; the last is full, so an empty read ends it.
     let steps = run_to_end(&mut coordinator).await;
     assert_eq!(
         steps,
         vec![
             Step::ShardWritten { index: 3, rows: 20, last: false },
             Step::ShardWritten { index: 4, rows: 20, last: false },
-            Step::ShardWritten { index: 5, rows: 20, last: true },
+            Step::ShardWritten { index: 5, rows: 20, last: false },
             Step::Published,
         ]
     );
@@ -120,7 +131,7 @@ async fn the_export_waits_for_a_writer_that_holds_its_last_shard_and_takes_it_ov
     let admin = app.token("acme", "alice");
     let reference = one_worker_reference(&app, &admin).await;
 
-    let (id, deps, mut coordinator) = started(&app, &admin).await;
+    let (id, deps, mut coordinator) = fully_planned(&app, &admin).await;
     stall_writers(&app, &id, "shard_index = 5").await;
     let steps = run_to_end(&mut coordinator).await;
     assert_eq!(steps.len(), 5);
@@ -158,8 +169,8 @@ async fn workers_racing_on_one_export_publish_it_once_with_every_shard_written_o
     assert_eq!(app.drain().await, vec![Step::Published]);
     let reference = manifest(&app, &admin, &reference).await;
 
-    // A first run plans the export, writes shard 0 and gives the job back; then four workers
-    // race: one claims the job, the others help with its planned shards.
+    // A first run writes shard 0 and gives the job back; then four workers race: one claims
+    // the job, the others count shards ahead of it and write them.
     let (id, deps, starter) = started(&app, &admin).await;
     starter.release().await.unwrap();
     let workers: Vec<_> = (0..4)
@@ -196,7 +207,7 @@ async fn a_helper_writing_a_shard_counts_toward_the_tenants_running_exports(pool
     app.seed("acme", "tickets", 120).await;
     let admin = app.token("acme", "alice");
     // acme may run 2 exports at once (tenants/acme.toml): the first is held by a helper alone.
-    let (held, deps, mut coordinator) = started(&app, &admin).await;
+    let (held, deps, mut coordinator) = fully_planned(&app, &admin).await;
     stall_writers(&app, &held, "NOT done").await;
     assert_eq!(run_to_end(&mut coordinator).await, vec![Step::Waiting]);
     coordinator.release().await.unwrap();

@@ -170,7 +170,8 @@ pub enum Refused {
 /// Stored bytes are the `bytes_done` of the tenant's jobs whose files exist (one row per job,
 /// kept equal to the sum of its checkpoints), with this shard's earlier checkpoint replaced: a
 /// rewritten shard or a retried attempt is never charged twice, and the cost does not grow
-/// with the number of shards. Returns the job's progress after this shard.
+/// with the number of shards. An open-ended shard's plan row learns its end here. Returns the
+/// job's progress after this shard.
 pub async fn record_shard(
     pool: &PgPool,
     lease: ShardLease,
@@ -199,7 +200,9 @@ pub async fn record_shard(
         "UPDATE export_jobs SET
              shards_done = shards_done + CASE WHEN $2 THEN 0 ELSE 1 END,
              rows_done = rows_done - $3 + $4,
-             bytes_done = bytes_done - $5 + $6
+             bytes_done = bytes_done - $5 + $6,
+             planned_rows = CASE WHEN mode = 'full' THEN GREATEST(planned_rows, $7::bigint * shard_rows + $4)
+                                 ELSE planned_rows END
          WHERE id = $1 AND state = 'RUNNING'
          RETURNING shards_done, planned_shards, plan_complete",
         lease.job_id,
@@ -208,6 +211,7 @@ pub async fn record_shard(
         shard.rows,
         replaced_bytes,
         shard.bytes,
+        i64::from(shard.shard_index),
     )
     .fetch_optional(&mut *tx)
     .await?;
@@ -239,11 +243,14 @@ pub async fn record_shard(
     .execute(&mut *tx)
     .await?;
     let fenced = sqlx::query!(
-        "UPDATE export_shard_plan SET done = true, writer = NULL, writer_expires_at = NULL
+        "UPDATE export_shard_plan SET done = true, writer = NULL, writer_expires_at = NULL,
+             rows = coalesce(rows, $4), last_key = CASE WHEN rows IS NULL THEN $5 ELSE last_key END
          WHERE export_id = $1 AND shard_index = $2 AND writer_attempt = $3 AND writer IS NOT NULL",
         lease.job_id,
         lease.shard_index,
         lease.attempt,
+        shard.rows,
+        shard.last_key,
     )
     .execute(&mut *tx)
     .await?;

@@ -1,10 +1,11 @@
 //! The shard plan of an export and the per-shard writer leases that let several workers — in
 //! one process or many — write one export's shards at once.
 //!
-//! A full export's shards are planned ahead by the worker holding the job's lease: each plan
-//! row says where the shard starts, where it ends and how many rows it holds under the frozen
-//! snapshot, so the shards can be written in any order, by anyone, with the bytes of a
-//! one-worker run. An incremental export is planned one shard at a time, where the last ended.
+//! Each plan row says where a shard starts and, once someone counted or wrote it, where it ends
+//! and how many rows it holds under the frozen snapshot. A full export's plan grows one shard
+//! at a time as far as someone needs it (see `jobs::planner`); a counted shard can be written
+//! in any order, by anyone, with the bytes of a one-worker run. An incremental export is
+//! planned one shard at a time, where the last ended.
 //!
 //! A shard's writer holds the row's lease; `writer_attempt` is the fencing token its checkpoint
 //! is recorded under ([`super::lease::record_shard`]). Rows are locked after `export_jobs` and
@@ -49,7 +50,8 @@ impl PlannedShard {
     }
 }
 
-/// The next shard to plan, as the planner found it.
+/// The next shard to plan: where it starts and, if counted, where it ends and how many rows it
+/// holds (a coordinator's next shard is open-ended: it ends wherever its row limit stops).
 pub struct NewShard<'a> {
     pub index: i32,
     pub after_key: Option<&'a str>,
@@ -57,44 +59,82 @@ pub struct NewShard<'a> {
     pub rows: Option<i64>,
 }
 
-/// Adds `shard` to the plan (if given) and records whether the plan is now complete, only
-/// under the job's lease, and only while it is live: a holder that stalled past it stops
-/// planning, so its planner never holds the job's row while another worker tries to take over
-/// (claims skip locked rows). Repeating a step adds nothing twice; a shard checkpointed before
-/// the plan existed (a job from before plans) is planned as done.
+/// Where an open-ended shard turned out to end (counted by someone who needs to plan past it).
+pub struct ShardEnd<'a> {
+    pub index: i32,
+    pub last_key: Option<&'a str>,
+    pub rows: i64,
+}
+
+/// Who may grow a plan: the job's lease holder, or any worker while the job runs under a live
+/// lease (a helper planning the shard it will write; plan rows are the same whoever counts them).
+#[derive(Debug, Clone, Copy)]
+pub enum Planner {
+    Holder(Lease),
+    Helper(Uuid),
+}
+
+/// Records the frontier's `end` (if given), adds `shard` to the plan (if given) and records
+/// whether the plan is now complete — only while the job is RUNNING under a live lease (the
+/// holder's own generation, for the holder): a holder that stalled past its lease stops
+/// planning, so no planner holds the job's row while another worker tries to take over (claims
+/// skip locked rows). Repeating a step changes nothing. A shard checkpointed before the plan
+/// existed (a job from before plans) is planned as done.
+///
+/// `planned_rows` grows to the rows up to the end of the last shard whose end is known: every
+/// shard of a full export but the last holds exactly `shard_rows` rows.
 pub async fn extend(
     pool: &PgPool,
-    lease: Lease,
+    planner: Planner,
+    end: Option<&ShardEnd<'_>>,
     shard: Option<&NewShard<'_>>,
     complete: bool,
 ) -> sqlx::Result<Result<(), LeaseLost>> {
+    let (job_id, generation) = match planner {
+        Planner::Holder(lease) => (lease.job_id, Some(lease.generation)),
+        Planner::Helper(job_id) => (job_id, None),
+    };
+    let known = |index: i32, rows: Option<i64>| rows.map(|rows| (i64::from(index), rows));
+    let ends = [end.and_then(|e| known(e.index, Some(e.rows))), shard.and_then(|s| known(s.index, s.rows))];
+    let (known_index, known_rows) = ends.into_iter().flatten().max().unzip();
     let mut tx = pool.begin().await?;
-    let planned = shard.map_or(0, |s| s.index + 1);
     let fenced = sqlx::query!(
-        "UPDATE export_jobs SET planned_shards = GREATEST(planned_shards, $3), plan_complete = $4
-         WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING' AND lease_expires_at >= now()",
-        lease.job_id,
-        lease.generation,
-        planned,
+        "UPDATE export_jobs SET planned_shards = GREATEST(planned_shards, $3),
+             plan_complete = plan_complete OR $4,
+             planned_rows = GREATEST(planned_rows, $5::bigint * shard_rows + $6::bigint)
+         WHERE id = $1 AND ($2::bigint IS NULL OR lease_generation = $2) AND state = 'RUNNING'
+           AND lease_expires_at >= now() AND ($2::bigint IS NOT NULL OR NOT plan_complete)",
+        job_id,
+        generation,
+        shard.map_or(0, |s| s.index + 1),
         complete,
+        known_index,
+        known_rows,
     )
     .execute(&mut *tx)
     .await?;
     if fenced.rows_affected() == 0 {
         return Ok(Err(LeaseLost));
     }
-    if let Some(shard) = shard {
-        // The job's planned rows grow by the row only if it is new: a repeated step adds nothing.
+    if let Some(end) = end {
         sqlx::query!(
-            "WITH planned AS (
-                 INSERT INTO export_shard_plan (export_id, shard_index, after_key, last_key, rows, done)
-                 SELECT $1, $2, $3, $4, $5,
-                        EXISTS (SELECT 1 FROM export_shards s WHERE s.export_id = $1 AND s.shard_index = $2)
-                 ON CONFLICT ON CONSTRAINT export_shard_plan_pkey DO NOTHING
-                 RETURNING rows)
-             UPDATE export_jobs SET planned_rows = planned_rows + (SELECT coalesce(sum(rows), 0) FROM planned)
-             WHERE id = $1",
-            lease.job_id,
+            "UPDATE export_shard_plan SET rows = $3, last_key = $4
+             WHERE export_id = $1 AND shard_index = $2 AND rows IS NULL",
+            job_id,
+            end.index,
+            end.rows,
+            end.last_key,
+        )
+        .execute(&mut *tx)
+        .await?;
+    }
+    if let Some(shard) = shard {
+        sqlx::query!(
+            "INSERT INTO export_shard_plan (export_id, shard_index, after_key, last_key, rows, done)
+             SELECT $1, $2, $3, $4, $5,
+                    EXISTS (SELECT 1 FROM export_shards s WHERE s.export_id = $1 AND s.shard_index = $2)
+             ON CONFLICT ON CONSTRAINT export_shard_plan_pkey DO NOTHING",
+            job_id,
             shard.index,
             shard.after_key,
             shard.last_key,
@@ -107,12 +147,13 @@ pub async fn extend(
     Ok(Ok(()))
 }
 
-/// An incremental export's planned shard turned out empty: the previous one was the last.
+/// An open-ended shard turned out empty: the previous one was the last.
 /// Removes it and completes the plan, only under the job's lease.
 pub async fn drop_empty(pool: &PgPool, lease: Lease, index: i32) -> sqlx::Result<Result<(), LeaseLost>> {
     let mut tx = pool.begin().await?;
     let fenced = sqlx::query!(
-        "UPDATE export_jobs SET planned_shards = $3, plan_complete = true
+        "UPDATE export_jobs SET planned_shards = $3, plan_complete = true,
+             planned_rows = CASE WHEN mode = 'full' THEN $3::int::bigint * shard_rows ELSE planned_rows END
          WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING'",
         lease.job_id,
         lease.generation,
@@ -134,23 +175,43 @@ pub async fn drop_empty(pool: &PgPool, lease: Lease, index: i32) -> sqlx::Result
     Ok(Ok(()))
 }
 
-/// The last planned shard, where planning continues, and the rows planned so far.
-pub async fn last_planned(pool: &PgPool, job_id: Uuid) -> sqlx::Result<(Option<PlannedShard>, u64)> {
-    let last = sqlx::query_as!(
-        PlannedShard,
-        "SELECT shard_index, after_key, last_key, rows, writer_attempt, takeovers
-         FROM export_shard_plan WHERE export_id = $1 ORDER BY shard_index DESC LIMIT 1",
+/// The last planned shard of a plan, where planning continues.
+#[derive(Debug, Clone)]
+pub struct Frontier {
+    pub shard_index: i32,
+    pub after_key: Option<String>,
+    /// Its end, if known (counted, or written).
+    pub last_key: Option<String>,
+    pub rows: Option<i64>,
+    /// Nobody is writing it and it is not written: free to take.
+    pub free: bool,
+}
+
+pub async fn frontier(pool: &PgPool, job_id: Uuid) -> sqlx::Result<Option<Frontier>> {
+    sqlx::query_as!(
+        Frontier,
+        r#"SELECT shard_index, after_key, last_key, rows, exportd_shard_free(done, writer_expires_at) AS "free!"
+           FROM export_shard_plan WHERE export_id = $1 ORDER BY shard_index DESC LIMIT 1"#,
         job_id,
     )
     .fetch_optional(pool)
-    .await?;
-    let rows = sqlx::query_scalar!(
-        r#"SELECT coalesce(sum(rows), 0)::bigint AS "rows!" FROM export_shard_plan WHERE export_id = $1"#,
-        job_id,
+    .await
+}
+
+/// A running full export whose plan a helper may grow (incomplete, under a live lease, its
+/// tenant not resting), the tenant served least recently first, as for claims.
+pub async fn plannable(pool: &PgPool, resting: &[String]) -> sqlx::Result<Option<ExportJob>> {
+    job_query!(
+        "SELECT",
+        "FROM export_jobs WHERE id = (
+             SELECT j.id FROM export_jobs j LEFT JOIN scheduler_turns t ON t.tenant = j.tenant
+             WHERE j.state = 'RUNNING' AND j.mode = 'full' AND NOT j.plan_complete
+               AND j.lease_expires_at >= now() AND j.tenant <> ALL($1::text[])
+             ORDER BY t.last_claimed_at NULLS FIRST, j.created_at, j.id LIMIT 1)",
+        resting
     )
-    .fetch_one(pool)
-    .await?;
-    Ok((last, rows.max(0) as u64))
+    .fetch_optional(pool)
+    .await
 }
 
 /// How far the job is: shards recorded, shards planned, and whether the plan is complete.
@@ -280,6 +341,9 @@ pub async fn claim_any(
              CROSS JOIN LATERAL (
                  SELECT p.export_id, p.shard_index FROM export_shard_plan p
                  WHERE p.export_id = j.id AND exportd_shard_free(p.done, p.writer_expires_at)
+                   -- Counted shards only (an open-ended one is its coordinator's to write),
+                   -- and none found empty (its writer drops it).
+                   AND p.rows IS NOT NULL AND (p.rows > 0 OR p.shard_index = 0)
                  ORDER BY p.shard_index LIMIT 2) c
              WHERE j.state = 'RUNNING' AND j.mode = 'full' AND j.tenant <> ALL($1::text[]))
          SELECT p.export_id, p.shard_index FROM export_shard_plan p
