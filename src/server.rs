@@ -27,8 +27,8 @@ use crate::webhooks::{self, Deliverer};
 const API_CONNECTIONS: u32 = 16;
 
 /// Connections for `workers` export workers: three each (a shard's rows, streamed for the whole
-/// shard; the planner of a full export counting the next shards meanwhile; heartbeats and
-/// checkpoints), plus the ticker, the cleaner and the webhook deliveries.
+/// shard; heartbeats and checkpoints; a spare, so counting ahead and retries never wait for
+/// another slot), plus the ticker, the cleaner and the webhook deliveries.
 fn worker_connections(workers: usize) -> u32 {
     3 * workers as u32 + 3
 }
