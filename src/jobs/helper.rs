@@ -27,10 +27,15 @@ pub async fn help(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Option<S
             let span = tracing::info_span!("export", export = %job.id, tenant = %job.tenant, shard = shard.shard_index);
             return write_planned_shard(deps, worker_id, job, shard).instrument(span).await.map(Some);
         }
-        let Some(job) = shard_plan::plannable(&deps.pool, &resting).await? else {
-            return Ok(None);
-        };
-        if !planner::count_ahead(deps, &job).await? {
+        // An export at a limit, or not started, has nothing to count: try the next.
+        let mut counted = false;
+        for job in shard_plan::plannable(&deps.pool, &resting).await? {
+            if planner::count_ahead(deps, &job).await? {
+                counted = true;
+                break;
+            }
+        }
+        if !counted {
             return Ok(None);
         }
     }

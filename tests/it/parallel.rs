@@ -230,3 +230,24 @@ async fn a_helper_writing_a_shard_counts_toward_the_tenants_running_exports(pool
     resumed.release().await.unwrap();
     run.release().await.unwrap();
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_helper_passes_over_an_export_at_its_row_limit_to_help_another(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("globex", "tickets", 1001).await;
+    app.seed("acme", "tickets", 120).await;
+    // globex may export 1000 rows (tenants/globex.toml): its second shard would cross the limit.
+    let capped = app.export(&app.token("globex", "hank"), &full_csv(1000)).await;
+    let deps = app.deps();
+    let mut first = ClaimedExport::claim(&deps, "g").await.unwrap().unwrap();
+    assert_eq!(first.lease().job_id.to_string(), capped);
+    assert_eq!(first.step().await.unwrap(), Step::ShardWritten { index: 0, rows: 1000, last: false });
+    let (open, _, _) = started(&app, &app.token("acme", "alice")).await;
+
+    // globex was served first, so it comes first for helpers too; it has nothing to count.
+    let (_keep, shutdown) = watch::channel(false);
+    assert_eq!(run_next_job(&deps, "h", &shutdown).await.unwrap(), Outcome::Ran(Step::Yielded));
+    assert_eq!(writers(&app, &open).await, ["w1", "h"]);
+    assert_eq!(planned(&app, &capped).await, (1, false), "nothing was planned past the limit");
+    assert_eq!(first.step().await.unwrap(), Step::Failed { code: "too-many-rows".into() });
+}

@@ -198,19 +198,22 @@ pub async fn frontier(pool: &PgPool, job_id: Uuid) -> sqlx::Result<Option<Fronti
     .await
 }
 
-/// A running full export whose plan a helper may grow (incomplete, under a live lease, its
-/// tenant not resting), the tenant served least recently first, as for claims.
-pub async fn plannable(pool: &PgPool, resting: &[String]) -> sqlx::Result<Option<ExportJob>> {
+/// Running full exports whose plan a helper may grow (incomplete, under a live lease, their
+/// tenants not resting): the first few, tenants served least recently first, as for claims.
+pub async fn plannable(pool: &PgPool, resting: &[String]) -> sqlx::Result<Vec<ExportJob>> {
     job_query!(
         "SELECT",
-        "FROM export_jobs WHERE id = (
-             SELECT j.id FROM export_jobs j LEFT JOIN scheduler_turns t ON t.tenant = j.tenant
+        "FROM export_jobs JOIN (
+             SELECT j.id AS candidate,
+                    row_number() OVER (ORDER BY t.last_claimed_at NULLS FIRST, j.created_at, j.id) AS turn
+             FROM export_jobs j LEFT JOIN scheduler_turns t ON t.tenant = j.tenant
              WHERE j.state = 'RUNNING' AND j.mode = 'full' AND NOT j.plan_complete
                AND j.lease_expires_at >= now() AND j.tenant <> ALL($1::text[])
-             ORDER BY t.last_claimed_at NULLS FIRST, j.created_at, j.id LIMIT 1)",
+             ORDER BY turn LIMIT 4) r ON r.candidate = export_jobs.id
+         ORDER BY r.turn",
         resting
     )
-    .fetch_optional(pool)
+    .fetch_all(pool)
     .await
 }
 
