@@ -20,23 +20,23 @@ use crate::exports::store::plan::{self as shard_plan, PlannedShard, ShardLease};
 /// `None`: nothing to help with.
 pub async fn help(deps: &WorkerDeps, worker_id: &str) -> anyhow::Result<Option<Step>> {
     let resting = deps.scan.resting().tenants;
-    // Another helper or the coordinator may take the shard just counted: a few tries, then idle.
+    // Another helper or the coordinator may take the shard just counted, or the coordinator may
+    // be between two shards (its lease handed back for a moment): a few tries, then idle.
     for _ in 0..3 {
         let claimed = shard_plan::claim_any(&deps.pool, worker_id, deps.config.lease_ttl, &resting).await?;
         if let Some((job, shard)) = claimed {
             let span = tracing::info_span!("export", export = %job.id, tenant = %job.tenant, shard = shard.shard_index);
             return write_planned_shard(deps, worker_id, job, shard).instrument(span).await.map(Some);
         }
+        let plannable = shard_plan::plannable(&deps.pool, &resting).await?;
+        if plannable.is_empty() {
+            return Ok(None);
+        }
         // An export at a limit, or not started, has nothing to count: try the next.
-        let mut counted = false;
-        for job in shard_plan::plannable(&deps.pool, &resting).await? {
+        for job in plannable {
             if planner::count_ahead(deps, &job).await? {
-                counted = true;
                 break;
             }
-        }
-        if !counted {
-            return Ok(None);
         }
     }
     Ok(None)

@@ -198,8 +198,9 @@ pub async fn frontier(pool: &PgPool, job_id: Uuid) -> sqlx::Result<Option<Fronti
     .await
 }
 
-/// Running full exports whose plan a helper may grow (incomplete, under a live lease, their
-/// tenants not resting): the first few, tenants served least recently first, as for claims.
+/// Running full exports whose plan a helper may grow (incomplete, under a live lease or handed
+/// back between two shards, their tenants not resting): the first few, tenants served least
+/// recently first, as for claims. ([`extend`] then needs the lease live.)
 pub async fn plannable(pool: &PgPool, resting: &[String]) -> sqlx::Result<Vec<ExportJob>> {
     job_query!(
         "SELECT",
@@ -208,7 +209,7 @@ pub async fn plannable(pool: &PgPool, resting: &[String]) -> sqlx::Result<Vec<Ex
                     row_number() OVER (ORDER BY t.last_claimed_at NULLS FIRST, j.created_at, j.id) AS turn
              FROM export_jobs j LEFT JOIN scheduler_turns t ON t.tenant = j.tenant
              WHERE j.state = 'RUNNING' AND j.mode = 'full' AND NOT j.plan_complete
-               AND j.lease_expires_at >= now() AND j.tenant <> ALL($1::text[])
+               AND (j.lease_expires_at >= now() OR j.yielded) AND j.tenant <> ALL($1::text[])
              ORDER BY turn LIMIT 4) r ON r.candidate = export_jobs.id
          ORDER BY r.turn",
         resting
