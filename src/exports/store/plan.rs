@@ -94,9 +94,8 @@ pub async fn extend(
         Planner::Holder(lease) => (lease.job_id, Some(lease.generation)),
         Planner::Helper(job_id) => (job_id, None),
     };
-    let known = |index: i32, rows: Option<i64>| rows.map(|rows| (i64::from(index), rows));
-    let ends = [end.and_then(|e| known(e.index, Some(e.rows))), shard.and_then(|s| known(s.index, s.rows))];
-    let (known_index, known_rows) = ends.into_iter().flatten().max().unzip();
+    let ends = [end.map(|e| (e.index, e.rows)), shard.and_then(|s| s.rows.map(|rows| (s.index, rows)))];
+    let (known_index, known_rows) = ends.into_iter().flatten().max().map(|(i, rows)| (i64::from(i), rows)).unzip();
     let mut tx = pool.begin().await?;
     let fenced = sqlx::query!(
         "UPDATE export_jobs SET planned_shards = GREATEST(planned_shards, $3),
