@@ -42,7 +42,7 @@ pub async fn pull(options: &PullOptions) -> anyhow::Result<u64> {
     let client = reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).build()?;
     let base = options.base_url.trim_end_matches('/');
     let auth = format!("Bearer {}", options.token);
-    let mut cursor = match tokio::fs::read_to_string(&options.cursor_file).await {
+    let cursor = match tokio::fs::read_to_string(&options.cursor_file).await {
         Ok(text) => text.trim().to_owned(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let (url, field) = match &options.since_export {
@@ -69,36 +69,66 @@ pub async fn pull(options: &PullOptions) -> anyhow::Result<u64> {
     let bar = if options.progress { ProgressBar::new_spinner() } else { ProgressBar::hidden() };
     bar.set_style(ProgressStyle::with_template("{spinner} {pos} changes {msg}").expect("a valid template"));
     let mut out = tokio::fs::OpenOptions::new().create(true).append(true).open(&options.out).await?;
+    let changes_url = format!("{base}/v1/datasets/{}/changes", options.dataset);
+    let feed = FeedClient { client: &client, url: &changes_url, auth: &auth, limit: options.limit };
     let mut written = 0u64;
+    let mut page = feed.page(&cursor).await?;
     loop {
-        let url = format!("{base}/v1/datasets/{}/changes", options.dataset);
-        let query = [("cursor", cursor.as_str()), ("limit", &options.limit.to_string())];
-        let response = client.get(&url).query(&query).header(AUTHORIZATION, &auth).send().await?;
-        let page: Page = ok(response).await.context("pulling changes")?.json().await?;
-        let mut lines = Vec::new();
-        for change in &page.changes {
-            lines.extend_from_slice(change.get().as_bytes());
-            lines.push(b'\n');
-        }
-        if !lines.is_empty() {
-            out.write_all(&lines).await?;
-            out.sync_data().await?;
-        }
-        // Only now, with the page on disk, move the cursor: a crash in between repeats a page
-        // (changes are idempotent: apply upserts and deletes by key) and never skips one.
-        save_cursor(&options.cursor_file, &page.next_cursor).await?;
-        cursor = page.next_cursor;
-        written += page.changes.len() as u64;
-        bar.set_position(written);
+        let count = page.changes.len() as u64;
+        let store = store_page(&mut out, &options.cursor_file, &page);
         if page.end_of_stream {
+            store.await?;
+            written += count;
+            bar.set_position(written);
             if !options.follow {
                 bar.finish_with_message("caught up");
                 return Ok(written);
             }
             bar.set_message("caught up; waiting");
             tokio::time::sleep(Duration::from_secs(page.retry_after_seconds.unwrap_or(5).max(1))).await;
+            page = feed.page(&page.next_cursor).await?;
+            continue;
         }
+        // The next page is asked for while this one is written and synced: the request needs
+        // only this page's cursor, and the cursor file still moves only after the page is on disk.
+        let (stored, next) = tokio::join!(store, feed.page(&page.next_cursor));
+        stored?;
+        written += count;
+        bar.set_position(written);
+        page = next?;
     }
+}
+
+/// Where and how pages are asked for.
+struct FeedClient<'a> {
+    client: &'a reqwest::Client,
+    url: &'a str,
+    auth: &'a str,
+    limit: usize,
+}
+
+impl FeedClient<'_> {
+    async fn page(&self, cursor: &str) -> anyhow::Result<Page> {
+        let query = [("cursor", cursor), ("limit", &self.limit.to_string())];
+        let response = self.client.get(self.url).query(&query).header(AUTHORIZATION, self.auth).send().await?;
+        Ok(ok(response).await.context("pulling changes")?.json().await?)
+    }
+}
+
+/// Appends a page's changes as JSONL lines and syncs them; only then moves the cursor file: a
+/// crash in between repeats a page (changes are idempotent: apply upserts and deletes by key)
+/// and never skips one.
+async fn store_page(out: &mut tokio::fs::File, cursor_file: &std::path::Path, page: &Page) -> anyhow::Result<()> {
+    let mut lines = Vec::new();
+    for change in &page.changes {
+        lines.extend_from_slice(change.get().as_bytes());
+        lines.push(b'\n');
+    }
+    if !lines.is_empty() {
+        out.write_all(&lines).await?;
+        out.sync_data().await?;
+    }
+    save_cursor(cursor_file, &page.next_cursor).await
 }
 
 /// Replaces the cursor file atomically: temp file, fsync, rename.
