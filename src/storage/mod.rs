@@ -287,18 +287,29 @@ async fn blocking<T: Send + 'static>(work: impl FnOnce() -> std::io::Result<T> +
     }
 }
 
-/// A blocking reader as a stream of chunks, each read on the blocking pool.
-fn blocking_chunks(reader: impl std::io::Read + Send + 'static) -> BoxStream<'static, StoreResult<Bytes>> {
-    futures_util::stream::try_unfold(Some(reader), |reader| async move {
-        let Some(mut reader) = reader else { return Ok(None) };
-        let (reader, chunk) = blocking(move || {
-            let mut buf = vec![0u8; READ_CHUNK];
-            let n = reader.read(&mut buf)?;
-            buf.truncate(n);
-            Ok((reader, buf))
+/// A blocking reader as a stream of chunks, each read on the blocking pool, one chunk ahead:
+/// the next read runs while the body sends the chunk before it (at most two chunks per reader).
+fn blocking_chunks<R: std::io::Read + Send + 'static>(reader: R) -> BoxStream<'static, StoreResult<Bytes>> {
+    fn read_chunk<R: std::io::Read + Send + 'static>(
+        mut reader: R,
+    ) -> tokio::task::JoinHandle<std::io::Result<(R, Vec<u8>)>> {
+        tokio::task::spawn_blocking(move || {
+            use std::io::Read;
+            // Into spare capacity: `read_to_end` does not zero the buffer first.
+            let mut chunk = Vec::with_capacity(READ_CHUNK);
+            (&mut reader).take(READ_CHUNK as u64).read_to_end(&mut chunk)?;
+            Ok((reader, chunk))
         })
-        .await?;
-        Ok(if chunk.is_empty() { None } else { Some((Bytes::from(chunk), Some(reader))) })
+    }
+    futures_util::stream::try_unfold(Some(read_chunk(reader)), |reading| async move {
+        let Some(reading) = reading else { return Ok(None) };
+        let (reader, chunk) = reading.await.map_err(std::io::Error::other)??;
+        Ok(if chunk.is_empty() {
+            None
+        } else {
+            let next = (chunk.len() == READ_CHUNK).then(|| read_chunk(reader));
+            Some((Bytes::from(chunk), next))
+        })
     })
     .boxed()
 }
