@@ -1,7 +1,9 @@
 //! The periodic cleaning pass: expires exports past their retention, has storage delete the
-//! files of ended jobs, orphans and abandoned writes ([`crate::storage::lifecycle`]), and
-//! collects feed history. Safe on several processes at once: one cleaner holds an advisory
-//! lock, and every deletion is idempotent.
+//! files of ended jobs, unreferenced attempts and abandoned writes
+//! ([`crate::storage::lifecycle`]), reports published exports whose files are missing and
+//! directories of exports this deployment does not know, and collects feed history. Safe on
+//! several processes at once: one cleaner holds an advisory lock, and every deletion is
+//! idempotent. Nothing is deleted from a store this deployment does not own.
 
 use std::time::Duration;
 
@@ -10,19 +12,24 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 
 use crate::exports::{self, store};
-use crate::storage::{ArtifactStore, lifecycle};
+use crate::storage::{ArtifactStore, Deployment, lifecycle};
 use crate::tenants::Registry;
 
 /// Advisory lock key of the cleaner ("exportd-cleaner").
 const CLEANER_LOCK: i64 = 0x6578_706f_7274_636c;
 
-/// What one pass did: (reason, files, bytes) per deletion, how many exports expired, and how
-/// much history was collected.
+/// What one pass did: (reason, files, bytes) per deletion, how many exports expired, what the
+/// store holds that no job knows or lacks that a published export needs, and how much history
+/// was collected.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Report {
     pub ran: bool,
     pub expired: u64,
     pub reclaimed: Vec<(String, u64, u64)>,
+    /// Directories of exports this deployment has no job for, left alone: (directories, files, bytes).
+    pub unknown: (u64, u64, u64),
+    /// Published exports whose files are missing: (tenant, export, files).
+    pub missing: Vec<(String, uuid::Uuid, u64)>,
     pub versions_collected: u64,
     pub windows_collected: u64,
 }
@@ -56,6 +63,10 @@ pub async fn run_once(
 }
 
 async fn clean(pool: &PgPool, store: &ArtifactStore, now: OffsetDateTime) -> anyhow::Result<Report> {
+    // Checked every pass (one small read): a store claimed by another deployment while this
+    // one could not reach it is never swept.
+    let us = Deployment::of(pool).await.context("reading the deployment's identity")?;
+    store.claim(&us).await.context("checking who owns the artifact store")?;
     let mut report = Report { ran: true, ..Report::default() };
     let expired = store::jobs::expire_due(pool, now).await.context("expiring exports")?;
     report.expired = expired.len() as u64;
@@ -67,8 +78,19 @@ async fn clean(pool: &PgPool, store: &ArtifactStore, now: OffsetDateTime) -> any
             report.reclaimed.push((reason, files, bytes));
         }
     }
-    report.reclaimed.extend(lifecycle::sweep_orphans(pool, store, &exports::FileOwner(pool)).await?);
+    let audit = lifecycle::sweep_orphans(pool, store, &exports::FileOwner(pool)).await?;
+    report.reclaimed.extend(audit.reclaimed);
     report.reclaimed.extend(lifecycle::sweep_abandoned(pool, store).await?);
+    (report.unknown, report.missing) = (audit.unknown, audit.missing);
+    metrics::gauge!("exportd_exports_missing_files").set(report.missing.len() as f64);
+    metrics::gauge!("exportd_store_unknown_files").set(report.unknown.1 as f64);
+    for (tenant, export, files) in &report.missing {
+        tracing::error!(%tenant, %export, files, "a published export's files are missing from the store; its downloads answer 410 files-missing");
+    }
+    if report.unknown.0 > 0 {
+        let (directories, files, bytes) = report.unknown;
+        tracing::warn!(directories, files, bytes, "the store holds exports this deployment has no job for; left alone");
+    }
     Ok(report)
 }
 

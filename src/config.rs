@@ -40,6 +40,13 @@ pub struct Settings {
     #[arg(long, env = "EXPORTD_LEASE_TTL", default_value = "30s", value_parser = humantime::parse_duration)]
     pub lease_ttl: std::time::Duration,
 
+    /// An export whose attempts keep ending without a checkpoint (its workers die or fail) fails
+    /// with `attempts-exhausted` after more than 5 such attempts in a row that went on at least
+    /// this long; a storm of killed workers ends many attempts quickly, an export that kills
+    /// every worker keeps doing it.
+    #[arg(long, env = "EXPORTD_GIVE_UP_AFTER", default_value = "10m", value_parser = humantime::parse_duration)]
+    pub give_up_after: std::time::Duration,
+
     #[command(flatten)]
     pub webhooks: WebhookSettings,
 }

@@ -19,7 +19,7 @@ use crate::http::{self, AppState};
 use crate::jobs::{self, WorkerConfig, WorkerDeps};
 use crate::links::LinkKeys;
 use crate::quota::{RateLimits, ScanLimits};
-use crate::storage::ArtifactStore;
+use crate::storage::{ArtifactStore, Deployment, OwnershipError};
 use crate::tenants::Registry;
 use crate::webhooks::{self, Deliverer};
 
@@ -58,25 +58,34 @@ pub struct Prepared {
 /// [`prepare`], also saying how many migrations were applied (`exportd migrate`).
 pub async fn prepare_reporting(settings: &Settings, max_connections: u32) -> anyhow::Result<Prepared> {
     let registry = Registry::load(&settings.tenants_dir)?;
+    let (pool, migrations_applied) = patiently(|| async {
+        db::create_database_if_missing(&settings.database_url).await?;
+        let pool = db::connect(&settings.database_url, max_connections).await?;
+        let migrations_applied = db::migrate(&pool).await?;
+        db::sync_catalogue(&pool, &registry).await?;
+        Ok((pool, migrations_applied))
+    })
+    .await?;
+    Ok(Prepared { pool, registry: Arc::new(registry), migrations_applied })
+}
+
+/// Runs a start-up step again while it fails with a transient database error (a restart, a
+/// terminated connection), for at most [`STARTUP_PATIENCE`]: a process started during a
+/// database blip comes up instead of exiting.
+async fn patiently<T, F, Fut>(mut step: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = anyhow::Result<T>>,
+{
     let started = std::time::Instant::now();
     let mut delays = db::retry_delays();
     loop {
-        let attempt = async {
-            db::create_database_if_missing(&settings.database_url).await?;
-            let pool = db::connect(&settings.database_url, max_connections).await?;
-            let migrations_applied = db::migrate(&pool).await?;
-            db::sync_catalogue(&pool, &registry).await?;
-            Ok::<_, anyhow::Error>((pool, migrations_applied))
-        };
-        match attempt.await {
-            Ok((pool, migrations_applied)) => {
-                return Ok(Prepared { pool, registry: Arc::new(registry), migrations_applied });
-            }
+        match step().await {
             Err(e) if db::is_transient_chain(&e) && started.elapsed() < STARTUP_PATIENCE => {
                 tracing::warn!(error = format!("{e:#}"), "database not ready at start-up; trying again");
                 tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(1))).await;
             }
-            Err(e) => return Err(e),
+            done => return done,
         }
     }
 }
@@ -164,7 +173,6 @@ pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> 
             }
         }
     } else {
-        // Endpoints this process could never deliver to stop it before any work starts.
         let deliverer = webhook_deliverer(settings, deps.pool.clone(), deps.registry.clone())?;
         tracing::info!(workers, "exportd worker started");
         let shutdown = shutdown_channel();
@@ -187,17 +195,24 @@ pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> 
 async fn worker_deps(settings: &Settings, pool: PgPool, registry: Arc<Registry>) -> anyhow::Result<WorkerDeps> {
     let store = ArtifactStore::connect(&settings.storage_location()?, &pool).await?;
     tracing::info!(store = store.describe(), "artifact store");
-    let keys = Arc::new(server_keys(settings)?);
+    patiently(|| claim_store(&store, &pool)).await?;
+    let keys = Arc::new(patiently(|| server_keys(settings, &pool)).await?);
     let scan = Arc::new(ScanLimits::new(&registry));
     anyhow::ensure!(settings.lease_ttl >= Duration::from_secs(1), "EXPORTD_LEASE_TTL: must be at least 1s");
-    let config = WorkerConfig { lease_ttl: settings.lease_ttl, ..WorkerConfig::default() };
+    let config = WorkerConfig {
+        lease_ttl: settings.lease_ttl,
+        give_up_after: settings.give_up_after,
+        ..WorkerConfig::default()
+    };
     Ok(WorkerDeps { pool, registry, store, keys, scan, config })
 }
 
-/// The webhook delivery loop's parts, after refusing endpoints it could never deliver to.
+/// The webhook delivery loop's parts, after warning about endpoints it will refuse.
 fn webhook_deliverer(settings: &Settings, pool: PgPool, registry: Arc<Registry>) -> anyhow::Result<Deliverer> {
     let deliverer = Deliverer::new(pool, registry, settings.webhooks.clone())?;
-    deliverer.check_endpoints(&settings.tenants_dir)?;
+    for problem in deliverer.endpoint_problems(&settings.tenants_dir) {
+        tracing::warn!("{problem}; its deliveries fail with this reason until the URL or the setting changes");
+    }
     Ok(deliverer)
 }
 
@@ -217,13 +232,33 @@ pub async fn follow_shares(membership: Membership, api: Option<Arc<RateLimits>>,
     }
 }
 
-/// The keys that sign links and cursors.
-fn server_keys(settings: &Settings) -> anyhow::Result<LinkKeys> {
+/// Makes sure the artifact store is this deployment's (or makes it so, when it has no owner
+/// yet). A store that does not answer is checked again by every cleaner pass, which sweeps
+/// nothing until it is.
+async fn claim_store(store: &ArtifactStore, pool: &PgPool) -> anyhow::Result<()> {
+    let us = Deployment::of(pool).await.context("reading the deployment's identity")?;
+    match store.claim(&us).await {
+        Ok(()) => Ok(()),
+        Err(OwnershipError::Store(e)) if e.is_transient() => {
+            tracing::warn!(store = store.describe(), error = %e, "cannot check who owns the artifact store yet");
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The keys that sign links and cursors: `EXPORTD_LINK_KEYS`, or else the deployment's key
+/// kept in the database (made by the first process that needs it).
+async fn server_keys(settings: &Settings, pool: &PgPool) -> anyhow::Result<LinkKeys> {
     match &settings.link_keys {
         Some(spec) => LinkKeys::parse(spec.expose_secret()).map_err(|e| anyhow::anyhow!("EXPORTD_LINK_KEYS: {e}")),
         None => {
-            tracing::warn!("EXPORTD_LINK_KEYS is not set: links and cursors signed here only verify in this process");
-            Ok(LinkKeys::ephemeral())
+            let keys = LinkKeys::of_deployment(pool).await.context("reading the deployment's link key")?;
+            tracing::warn!(
+                "EXPORTD_LINK_KEYS is not set: signing links and sealing cursors with the key kept in the database \
+                 (table `deployment`); set EXPORTD_LINK_KEYS to rotate keys or to keep them out of the database"
+            );
+            Ok(keys)
         }
     }
 }

@@ -57,7 +57,9 @@ pub async fn start(
     let row_filter = caller.principal.row_filter_json();
     let owner = CursorOwner { tenant, principal, dataset, cluster: feed.cluster, row_filter: &row_filter };
     let cursor = Cursor::decode(feed.keys, &text, &owner, oldest).map_err(|e| match e {
-        CursorError::Invalid => ExportError::InvalidCursor { field: "since", detail: format!("{field}: {e}") },
+        CursorError::Invalid | CursorError::UnknownKey(_) => {
+            ExportError::InvalidCursor { field: "since", detail: format!("{field}: {e}") }
+        }
         CursorError::Expired => ExportError::CursorExpired(e.to_string()),
     })?;
     let until_tick =

@@ -102,6 +102,8 @@ pub struct ExportJob {
     pub attempts: i32,
     /// Consecutive claims without a new checkpoint in between (the `attempts-exhausted` count).
     pub stalled_attempts: i32,
+    /// When that run of claims without a new checkpoint began.
+    pub stalled_since: Option<OffsetDateTime>,
     pub shards_done: i32,
     pub rows_done: i64,
     pub bytes_done: i64,
@@ -380,6 +382,10 @@ impl crate::storage::lifecycle::Owner for FileOwner<'_> {
             store::shards::attempts_being_written(self.0, id).await?
         };
         Ok(Some(crate::storage::lifecycle::InUse { referenced, writing }))
+    }
+
+    async fn published(&self) -> sqlx::Result<Vec<(String, Uuid, String)>> {
+        store::shards::published_object_keys(self.0).await
     }
 }
 

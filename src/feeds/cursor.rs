@@ -60,6 +60,10 @@ pub enum CursorError {
     #[error("the cursor is malformed, tampered with, or not for this dataset and principal")]
     Invalid,
     #[error(
+        "the cursor was sealed with a key this server does not have (key `{0}`): the server's keys changed since it was issued; the operator can add that key back to EXPORTD_LINK_KEYS, or run a full export and continue from its next_cursor"
+    )]
+    UnknownKey(String),
+    #[error(
         "the cursor is older than the tenant's tombstone window, from another database, or from before the principal's row filter changed; run a full export and continue from its next_cursor"
     )]
     Expired,
@@ -95,7 +99,13 @@ impl Cursor {
     pub fn decode(keys: &LinkKeys, text: &str, owner: &CursorOwner<'_>, oldest_ts: i64) -> Result<Cursor, CursorError> {
         let cursor = match keys.open(AUDIENCE, text) {
             Some(plain) => serde_json::from_slice::<Cursor>(&plain).map_err(|_| CursorError::Invalid)?,
-            None => decode_signed(keys, text)?,
+            // `<kid>.<sealed>`: one dot (a first-version JWT has two).
+            None => match text.split_once('.') {
+                Some((kid, rest)) if !rest.contains('.') && !keys.knows(kid) && is_kid(kid) => {
+                    return Err(CursorError::UnknownKey(kid.to_owned()));
+                }
+                _ => decode_signed(keys, text)?,
+            },
         };
         if !matches!(cursor.v, SIGNED_VERSION | VERSION)
             || cursor.aud != AUDIENCE
@@ -114,10 +124,16 @@ impl Cursor {
     }
 }
 
+/// What a kid may look like in a message: short visible ASCII (anything else is garbage, not a key).
+fn is_kid(text: &str) -> bool {
+    !text.is_empty() && text.len() <= 64 && text.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
+}
+
 /// A first-version cursor: an HS256 JWT signed with a server key.
 fn decode_signed(keys: &LinkKeys, text: &str) -> Result<Cursor, CursorError> {
     let header = jsonwebtoken::decode_header(text).map_err(|_| CursorError::Invalid)?;
-    let decoding = keys.decoding_key(header.kid.as_deref().ok_or(CursorError::Invalid)?).ok_or(CursorError::Invalid)?;
+    let kid = header.kid.ok_or(CursorError::Invalid)?;
+    let decoding = keys.decoding_key(&kid).ok_or(CursorError::UnknownKey(kid))?;
     let mut validation = Validation::new(Algorithm::HS256);
     validation.set_audience(&[AUDIENCE]);
     validation.set_required_spec_claims(&["aud", "sub"]);

@@ -205,6 +205,9 @@ fn caller_from_link(state: &AppState, token: &str, id: &str, object: Object) -> 
             ApiError::new(StatusCode::FORBIDDEN, "link-expired", "the link has expired; ask for the status again")
         }
         LinkError::Invalid => invalid("the link is not valid"),
+        LinkError::UnknownKey => invalid(
+            "the link was signed with a key this server does not have (its keys changed since); ask for a new link",
+        ),
     })?;
     if Uuid::parse_str(id).ok() != Some(claims.export) || claims.object != object.name() {
         return Err(invalid("the link is for another object"));
@@ -217,6 +220,9 @@ fn caller_from_link(state: &AppState, token: &str, id: &str, object: Object) -> 
     super::extract::in_request_span(&caller);
     Ok(caller)
 }
+
+/// How long a download waits for the store's first bytes before answering 503.
+const FIRST_BYTE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The bytes of `answer`, its first chunk already read; `slot` (the tenant's concurrent-download
 /// permit) is held until the body has been sent or the client left.
@@ -233,7 +239,11 @@ async fn body(
         RangeAnswer::Partial { start, end } => (start, end),
     };
     let mut bytes = layout::read(store.clone(), download.layout.slice(start, end));
-    let first = bytes.try_next().await?;
+    // A store that hangs (a long outage) is answered with a 503 well before the response
+    // deadline, not left to it.
+    let first = tokio::time::timeout(FIRST_BYTE_PATIENCE, bytes.try_next()).await.map_err(|_| {
+        StoreError::Unavailable(format!("the store sent nothing within {} s", FIRST_BYTE_PATIENCE.as_secs()))
+    })??;
     let rest = bytes.map(move |chunk| {
         let _slot = &slot;
         chunk.map_err(|e| {

@@ -141,7 +141,18 @@ impl From<sqlx::Error> for ApiError {
 
 impl From<crate::storage::StoreError> for ApiError {
     fn from(e: crate::storage::StoreError) -> Self {
-        if e.is_transient() { ApiError::unavailable(e) } else { ApiError::internal(e) }
+        match e {
+            crate::storage::StoreError::Missing(_) => {
+                tracing::error!(error = %e, "a published export's file is missing from the store");
+                ApiError::new(
+                    StatusCode::GONE,
+                    "files-missing",
+                    "the export's files are missing from the store (deleted outside exportd); create a new export",
+                )
+            }
+            e if e.is_transient() => ApiError::unavailable(e),
+            e => ApiError::internal(e),
+        }
     }
 }
 

@@ -150,6 +150,9 @@ fn cursor_problem(e: CursorError) -> ApiError {
         CursorError::Invalid => {
             ApiError::new(StatusCode::BAD_REQUEST, "invalid-cursor", e.to_string()).with("field", "cursor")
         }
+        CursorError::UnknownKey(_) => ApiError::new(StatusCode::BAD_REQUEST, "invalid-cursor", e.to_string())
+            .with("field", "cursor")
+            .with("reason", "unknown-key"),
         CursorError::Expired => ApiError::new(StatusCode::GONE, "cursor-expired", e.to_string()),
     }
 }

@@ -30,7 +30,6 @@ use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
 use tower_http::set_header::SetResponseHeaderLayer;
-use tower_http::timeout::TimeoutLayer;
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
@@ -65,7 +64,7 @@ pub fn app(state: AppState) -> Router {
     // Applies to every body extractor (Bytes, Json, Form); past it a problem+json 413.
     .layer(DefaultBodyLimit::max(BODY_LIMIT_BYTES))
     .layer(axum::middleware::map_response(error::method_not_allowed_as_problem))
-    .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, RESPONSE_HEAD_TIMEOUT))
+    .layer(axum::middleware::from_fn(head_deadline))
     .layer(CatchPanicLayer::custom(|_| {
         axum::response::IntoResponse::into_response(ApiError::internal(anyhow::anyhow!("handler panicked")))
     }))
@@ -80,6 +79,27 @@ pub fn app(state: AppState) -> Router {
     .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
     .layer(axum::middleware::map_request(drop_untrusted_request_id))
     .layer(SetSensitiveRequestHeadersLayer::new([AUTHORIZATION]))
+}
+
+/// Every response head within [`RESPONSE_HEAD_TIMEOUT`], else a problem saying so (never a bare
+/// status): the handler is abandoned, its open transaction rolled back.
+async fn head_deadline(request: Request, next: axum::middleware::Next) -> axum::response::Response {
+    match tokio::time::timeout(RESPONSE_HEAD_TIMEOUT, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => {
+            tracing::warn!("request abandoned: no response within the deadline");
+            let mut problem = ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "timed-out",
+                format!(
+                    "no answer within {} s; the request was abandoned — retry later (a create with the same Idempotency-Key)",
+                    RESPONSE_HEAD_TIMEOUT.as_secs()
+                ),
+            );
+            problem.retry_after_seconds = Some(5);
+            axum::response::IntoResponse::into_response(problem)
+        }
+    }
 }
 
 /// The span of one request: route template and ids only. The query string is left out on

@@ -59,8 +59,12 @@ async fn write_planned_shard(
         })
     };
     let plan = Plan::from_job(&job)?;
-    if shard.takeovers > deps.config.max_attempts {
-        let detail = format!("gave up after the writers of shard {index} vanished {} times", shard.takeovers);
+    if deps.config.exhausted(shard.takeovers, shard.first_takeover_at) {
+        let detail = format!(
+            "gave up after the writers of shard {index} vanished {} times, over {}",
+            shard.takeovers,
+            super::since(shard.first_takeover_at)
+        );
         return fail("attempts-exhausted", &detail).await;
     }
     if let Err(reason) = authorized(deps, &job, &plan) {

@@ -23,6 +23,8 @@ use tracing::Instrument;
 pub use crate::exports::store::lease::{Lease, LeaseLost};
 pub use runner::{ClaimedExport, Step};
 
+use time::OffsetDateTime;
+
 use crate::links::LinkKeys;
 use crate::quota::ScanLimits;
 use crate::storage::ArtifactStore;
@@ -37,8 +39,12 @@ pub struct WorkerConfig {
     /// How long an idle worker waits before looking for work again.
     pub poll_interval: Duration,
     /// Claims in a row that find no new checkpoint since the previous claim (workers dying or
-    /// erring without progress) before a job fails with `attempts-exhausted`.
+    /// erring without progress), or takeovers of one shard whose writers vanished, before a job
+    /// may fail with `attempts-exhausted` …
     pub max_attempts: i32,
+    /// … and how long that must have been going on: a storm of killed workers ends many attempts
+    /// quickly, an export that kills every worker keeps doing it (`EXPORTD_GIVE_UP_AFTER`).
+    pub give_up_after: Duration,
     /// Give the job back after every shard, so the next claim can serve another tenant.
     pub yield_between_shards: bool,
     /// Shards one export may have (else `too-many-shards`): each is a file, a checkpoint row and
@@ -53,10 +59,34 @@ impl Default for WorkerConfig {
             page_rows: 2_000,
             poll_interval: Duration::from_secs(1),
             max_attempts: 5,
+            give_up_after: Duration::from_secs(600),
             yield_between_shards: true,
             max_shards: 10_000,
         }
     }
+}
+
+impl WorkerConfig {
+    /// Whether `count` stalls (or takeovers) that began at `since` are enough to give up: more
+    /// than `max_attempts`, for at least `give_up_after`.
+    pub fn exhausted(&self, count: i32, since: Option<OffsetDateTime>) -> bool {
+        let lasted = since.map_or(Duration::ZERO, |since| (OffsetDateTime::now_utc() - since).unsigned_abs());
+        count > self.max_attempts && lasted >= self.give_up_after
+    }
+
+    /// The wait before claiming a job again after attempts in a row ended without a checkpoint:
+    /// a sixth of the lease, doubling, at most two leases. With the defaults (30 s leases, 10
+    /// minutes), an export that kills every worker taking it ends about 11 workers before it
+    /// fails, within `give_up_after` + one lease + one longest wait (about 11.5 minutes).
+    pub fn stall_backoff(&self) -> crate::exports::store::lease::StallBackoff {
+        crate::exports::store::lease::StallBackoff { first: self.lease_ttl / 6, most: self.lease_ttl * 2 }
+    }
+}
+
+/// How long ago `since` was, for messages (`0s` for none).
+pub(crate) fn since(since: Option<OffsetDateTime>) -> String {
+    let lasted = since.map_or(Duration::ZERO, |since| (OffsetDateTime::now_utc() - since).unsigned_abs());
+    humantime::format_duration(Duration::from_secs(lasted.as_secs())).to_string()
 }
 
 /// Everything a worker needs; cheap to clone.

@@ -107,9 +107,10 @@ impl ClaimedExport {
         let limits: Vec<(String, i32)> =
             deps.registry.tenants().map(|t| (t.id.to_string(), t.quota.max_running_exports as i32)).collect();
         let resting = deps.scan.resting().tenants;
-        let claimed = lease::claim(&deps.pool, worker_id, deps.config.lease_ttl, &limits, &resting)
-            .await
-            .context("claiming a job")?;
+        let claimed =
+            lease::claim(&deps.pool, worker_id, deps.config.lease_ttl, deps.config.stall_backoff(), &limits, &resting)
+                .await
+                .context("claiming a job")?;
         let Some(lease::Claimed { job, was_yielded }) = claimed else {
             return Ok(None);
         };
@@ -154,10 +155,11 @@ impl ClaimedExport {
                     if self.job.state == ExportState::CancelRequested {
                         return self.finish_cancel().await;
                     }
-                    if self.job.stalled_attempts > self.deps.config.max_attempts {
+                    if self.deps.config.exhausted(self.job.stalled_attempts, self.job.stalled_since) {
                         let detail = format!(
-                            "gave up after {} attempts in a row without a new checkpoint",
-                            self.deps.config.max_attempts
+                            "gave up after {} attempts in a row without a new checkpoint, over {}",
+                            self.job.stalled_attempts - 1,
+                            crate::jobs::since(self.job.stalled_since),
                         );
                         return self.fail("attempts-exhausted", &detail).await;
                     }
@@ -369,9 +371,13 @@ impl ClaimedExport {
     }
 
     async fn write_shard(&mut self, shard: PlannedShard) -> anyhow::Result<Step> {
-        if shard.takeovers > self.deps.config.max_attempts {
-            let detail =
-                format!("gave up after the writers of shard {} vanished {} times", shard.shard_index, shard.takeovers);
+        if self.deps.config.exhausted(shard.takeovers, shard.first_takeover_at) {
+            let detail = format!(
+                "gave up after the writers of shard {} vanished {} times, over {}",
+                shard.shard_index,
+                shard.takeovers,
+                crate::jobs::since(shard.first_takeover_at)
+            );
             return self.fail("attempts-exhausted", &detail).await;
         }
         let max_rows = self.deps.registry.get(&self.job.tenant).map_or(0, |t| t.quota.max_rows_per_export);

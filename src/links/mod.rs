@@ -10,6 +10,13 @@ use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+/// A new kid (`<label>-<8 hex>`, independent of the secret: kids are public) and 64 hex
+/// characters of secret (two v4 UUIDs: 244 random bits from the operating system's generator).
+fn random_key(label: &str) -> (String, String) {
+    let secret = format!("{}{}", Uuid::new_v4().simple(), Uuid::new_v4().simple());
+    (format!("{label}-{}", &Uuid::new_v4().simple().to_string()[..8]), secret)
+}
+
 /// Audience of link tokens; API tokens (`aud = "exportd"`) are not links and links are not API tokens.
 const AUDIENCE: &str = "exportd-link";
 
@@ -30,6 +37,10 @@ pub enum LinkError {
     Invalid,
     #[error("the link has expired")]
     Expired,
+    /// Signed with a key this server does not have: its keys changed since (rotation without
+    /// keeping the old key, another deployment), not necessarily tampering.
+    #[error("the link was signed with a key this server does not have")]
+    UnknownKey,
 }
 
 #[derive(Clone)]
@@ -74,16 +85,30 @@ impl LinkKeys {
         Ok(LinkKeys { keys })
     }
 
-    /// A random key for this process only: links it signs fail on any other process.
-    pub fn ephemeral() -> LinkKeys {
-        let secret = format!("{}{}", Uuid::new_v4().simple(), Uuid::new_v4().simple());
-        LinkKeys { keys: vec![LinkKey { kid: format!("ephemeral-{}", &secret[..8]), secret: secret.into_bytes() }] }
+    /// The deployment's own key, kept in its database: made once by the first process that asks
+    /// (concurrent first askers agree on one), the same for every process and every restart.
+    pub async fn of_deployment(pool: &sqlx::PgPool) -> sqlx::Result<LinkKeys> {
+        let (kid, secret) = random_key("db");
+        let key = sqlx::query!(
+            r#"UPDATE deployment SET link_kid = coalesce(link_kid, $1), link_secret = coalesce(link_secret, $2)
+               RETURNING link_kid AS "kid!", link_secret AS "secret!""#,
+            kid,
+            secret,
+        )
+        .fetch_one(pool)
+        .await?;
+        Ok(LinkKeys { keys: vec![LinkKey { kid: key.kid, secret: key.secret.into_bytes() }] })
     }
 
     /// The kid and key that sign (the first).
     pub fn signing_key(&self) -> (&str, EncodingKey) {
         let key = &self.keys[0];
         (&key.kid, EncodingKey::from_secret(&key.secret).expect("link secrets are not empty"))
+    }
+
+    /// Whether `kid` names one of these keys.
+    pub fn knows(&self, kid: &str) -> bool {
+        self.keys.iter().any(|k| k.kid == kid)
     }
 
     /// The verifying key for `kid`, if it is one of ours.
@@ -112,7 +137,7 @@ impl LinkKeys {
     /// move time instead of sleeping). The HMAC comparison is constant-time.
     pub fn verify(&self, token: &str, now: u64) -> Result<LinkClaims, LinkError> {
         let header = jsonwebtoken::decode_header(token).map_err(|_| LinkError::Invalid)?;
-        let decoding = self.decoding_key(&header.kid.ok_or(LinkError::Invalid)?).ok_or(LinkError::Invalid)?;
+        let decoding = self.decoding_key(&header.kid.ok_or(LinkError::Invalid)?).ok_or(LinkError::UnknownKey)?;
         let mut validation = Validation::new(Algorithm::HS256);
         validation.set_audience(&[AUDIENCE]);
         validation.set_required_spec_claims(&["exp", "aud", "sub"]);
@@ -149,7 +174,10 @@ mod tests {
         let token = old_only.sign("acme", "alice", Uuid::new_v4(), "file", 0, Duration::from_secs(60));
         assert!(keys().verify(&token, 1).is_ok());
         let other = LinkKeys::parse("x=0000000000000000000000000000000000").unwrap();
-        assert_eq!(other.verify(&token, 1), Err(LinkError::Invalid));
+        assert_eq!(other.verify(&token, 1), Err(LinkError::UnknownKey), "told apart from tampering");
+        // The same kid with another secret is a bad signature, not an unknown key.
+        let impostor = LinkKeys::parse("old=0000000000000000000000000000000000").unwrap();
+        assert_eq!(impostor.verify(&token, 1), Err(LinkError::Invalid));
     }
 
     #[test]

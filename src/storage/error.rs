@@ -2,13 +2,16 @@
 
 use std::io;
 
-/// A store operation that failed. Every variant is worth retrying later: the bytes are still
+/// A store operation that failed. `Unavailable` is worth retrying later: the bytes are still
 /// there (or were never written), and the store may come back (network, 5xx, credentials
-/// being rotated). Workers retry with backoff and give the job back; the API answers 503.
+/// being rotated); workers retry with backoff and give the job back, the API answers 503.
+/// `Missing` is an object that should exist and does not: something outside exportd deleted it.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("the object store is unavailable: {0}")]
     Unavailable(String),
+    #[error("the stored object `{0}` does not exist")]
+    Missing(String),
     #[error("local artifact storage: {0}")]
     Io(#[from] io::Error),
 }
@@ -32,6 +35,8 @@ impl StoreError {
 impl From<object_store::Error> for StoreError {
     fn from(error: object_store::Error) -> Self {
         // The message never holds credentials: object_store redacts them, and keys hold no secrets.
+        // A missing object is `Missing` only where a caller asks for one that must exist (reads):
+        // elsewhere (an upload the cleaner aborted) retrying is the answer.
         StoreError::Unavailable(error.to_string())
     }
 }

@@ -1,6 +1,8 @@
 //! The life of stored files after they are written: deleting an export's files, sweeping
-//! files no job references, and reclaiming what dead writers left. Every deletion is
-//! idempotent and recorded in `storage_reclaims` (reason, files, bytes).
+//! files no checkpoint references, reclaiming what dead writers left, and auditing what is
+//! stored against what should be. Every deletion is idempotent and recorded in
+//! `storage_reclaims` (reason, files, bytes); nothing of an export this deployment does not
+//! know is ever deleted.
 
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
@@ -47,18 +49,39 @@ pub struct InUse {
 pub trait Owner: Sync {
     /// `None`: no such export.
     fn in_use(&self, tenant: &str, export_id: Uuid) -> impl Future<Output = sqlx::Result<Option<InUse>>> + Send;
+
+    /// Every file a published export's download reads: (tenant, export, object key).
+    fn published(&self) -> impl Future<Output = sqlx::Result<Vec<(String, Uuid, String)>>> + Send;
 }
 
-/// Files no job references: exports that do not exist (`in_use` answers `None`), and files of
-/// older attempts that no checkpoint points at. A running job's files of each shard's current
-/// attempt are never touched.
-pub async fn sweep_orphans(pool: &PgPool, store: &ArtifactStore, owner: &impl Owner) -> anyhow::Result<Vec<Reclaimed>> {
-    let mut reclaimed = Vec::new();
-    for ((tenant, export_dir), objects) in by_export(store.list(None).await.context("listing stored files")?) {
+/// What the sweep found besides what it deleted.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Audit {
+    /// Deleted files of older attempts no checkpoint points at.
+    pub reclaimed: Vec<Reclaimed>,
+    /// Export directories this deployment has no job for, left alone: (directories, files, bytes).
+    pub unknown: (u64, u64, u64),
+    /// Published exports whose files are not in the store: (tenant, export, files missing).
+    pub missing: Vec<(String, Uuid, u64)>,
+}
+
+/// Files of older attempts that no checkpoint points at are deleted; a running job's files of
+/// each shard's current attempt are never touched. Directories of exports this deployment does
+/// not know are left alone and counted: this deployment never created them (jobs are never
+/// deleted), so they belong to someone else — an operator's copy, a restored backup, another
+/// deployment despite the owner marker. Published exports whose files are gone are reported.
+pub async fn sweep_orphans(pool: &PgPool, store: &ArtifactStore, owner: &impl Owner) -> anyhow::Result<Audit> {
+    let mut audit = Audit::default();
+    // Asked before listing: a file of an export published after the listing is not missing.
+    let published = owner.published().await?;
+    let objects = store.list(None).await.context("listing stored files")?;
+    let stored: HashSet<String> = objects.iter().map(|o| o.key.as_str().to_owned()).collect();
+    for ((tenant, export_dir), objects) in by_export(objects) {
         let Ok(export_id) = Uuid::parse_str(&export_dir) else { continue };
         let Some(needed) = owner.in_use(&tenant, export_id).await? else {
-            let (files, bytes) = delete_export_files(pool, store, &tenant, export_id, "orphan").await?;
-            reclaimed.push(("orphan".into(), files, bytes));
+            audit.unknown.0 += 1;
+            audit.unknown.1 += objects.len() as u64;
+            audit.unknown.2 += objects.iter().map(|o| o.bytes).sum::<u64>();
             continue;
         };
         let (mut files, mut bytes) = (0, 0);
@@ -71,10 +94,17 @@ pub async fn sweep_orphans(pool: &PgPool, store: &ArtifactStore, owner: &impl Ow
         }
         if files > 0 {
             record(pool, Some(&tenant), Some(export_id), "unreferenced", files, bytes).await?;
-            reclaimed.push(("unreferenced".into(), files, bytes));
+            audit.reclaimed.push(("unreferenced".into(), files, bytes));
         }
     }
-    Ok(reclaimed)
+    let mut missing: BTreeMap<(String, Uuid), u64> = BTreeMap::new();
+    for (tenant, export_id, key) in published {
+        if !stored.contains(&key) {
+            *missing.entry((tenant, export_id)).or_default() += 1;
+        }
+    }
+    audit.missing = missing.into_iter().map(|((tenant, id), files)| (tenant, id, files)).collect();
+    Ok(audit)
 }
 
 /// Temp files or multipart uploads of writers that died.

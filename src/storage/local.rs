@@ -34,6 +34,11 @@ impl LocalDir {
         format!("file://{}", fs::canonicalize(&self.root).unwrap_or_else(|_| self.root.clone()).display())
     }
 
+    /// The objects directory is there and readable.
+    pub(super) fn check(&self) -> io::Result<()> {
+        fs::read_dir(&self.objects).map(|_| ())
+    }
+
     fn path(&self, key: &ObjectKey) -> PathBuf {
         self.objects.join(key.as_str())
     }
@@ -57,6 +62,32 @@ impl LocalDir {
         match File::open(self.path(key)) {
             Ok(file) => sha256_of(file).map(Some),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A small object's bytes, or `None` when it does not exist.
+    pub(super) fn read_all(&self, key: &ObjectKey) -> io::Result<Option<Vec<u8>>> {
+        match fs::read(self.path(key)) {
+            Ok(bytes) => Ok(Some(bytes)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Writes a small object only if none exists (a hard link fails on an existing name, so
+    /// two writers cannot both succeed). Returns whether this call created it.
+    pub(super) fn create(&self, key: &ObjectKey, bytes: &[u8]) -> io::Result<bool> {
+        let temp = self.tmp.join(format!("{}.part", Uuid::new_v4()));
+        let mut file = File::create_new(&temp)?;
+        let written = file.write_all(bytes).and_then(|()| file.sync_all());
+        let target = self.path(key);
+        let dir = target.parent().expect("object keys are relative paths under the root");
+        let linked = written.and_then(|()| fs::create_dir_all(dir)).and_then(|()| fs::hard_link(&temp, &target));
+        let _ = fs::remove_file(&temp);
+        match linked {
+            Ok(()) => File::open(dir)?.sync_all().map(|()| true),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
             Err(e) => Err(e),
         }
     }

@@ -9,6 +9,7 @@
 mod error;
 pub mod lifecycle;
 mod local;
+pub mod ownership;
 mod s3;
 
 use std::path::{Path, PathBuf};
@@ -19,6 +20,7 @@ use futures_util::stream::{BoxStream, StreamExt};
 use sqlx::PgPool;
 
 pub use error::{StoreError, StoreResult, find as find_store_error};
+pub use ownership::{Deployment, OwnershipError};
 pub use s3::S3Config;
 
 use local::{LocalDir, LocalWriter};
@@ -125,12 +127,23 @@ enum Backend {
 #[derive(Debug, Clone)]
 pub struct ArtifactStore {
     backend: Backend,
+    /// The last reachability check (see [`ArtifactStore::reachable`]), shared by clones.
+    health: std::sync::Arc<tokio::sync::Mutex<Option<LastCheck>>>,
 }
+
+/// When the store was last asked whether it answers, and what it said.
+type LastCheck = (std::time::Instant, Result<(), String>);
+
+/// A reachability answer is reused for this long, so `/healthz` (open to anyone) costs the store
+/// at most one request per period.
+const HEALTH_TTL: Duration = Duration::from_secs(5);
+/// A store that has not answered a reachability check within this long is unreachable.
+const HEALTH_PATIENCE: Duration = Duration::from_secs(3);
 
 impl ArtifactStore {
     /// The local-directory store under `data_dir` (created if missing).
     pub fn open_local(data_dir: &Path) -> std::io::Result<ArtifactStore> {
-        Ok(ArtifactStore { backend: Backend::Local(LocalDir::open(data_dir)?) })
+        Ok(ArtifactStore::new(Backend::Local(LocalDir::open(data_dir)?)))
     }
 
     /// The store at `location`. Object storage keeps its multipart uploads in progress in
@@ -145,10 +158,41 @@ impl ArtifactStore {
                 if let Err(e) = s3.probe().await {
                     tracing::warn!(store = s3.describe(), error = %e, "the object store does not answer yet");
                 }
-                ArtifactStore { backend: Backend::S3(s3) }
+                ArtifactStore::new(Backend::S3(s3))
             }
         };
         Ok(store)
+    }
+
+    fn new(backend: Backend) -> ArtifactStore {
+        ArtifactStore { backend, health: Default::default() }
+    }
+
+    /// Whether the store answers (an authenticated request for S3, the directory for a local
+    /// store), checked at most once per [`HEALTH_TTL`] whoever asks; the error says why not.
+    pub async fn reachable(&self) -> Result<(), String> {
+        let mut last = self.health.lock().await;
+        if let Some((at, answer)) = last.as_ref()
+            && at.elapsed() < HEALTH_TTL
+        {
+            return answer.clone();
+        }
+        let check = async {
+            match &self.backend {
+                Backend::Local(dir) => {
+                    let dir = dir.clone();
+                    blocking(move || dir.check()).await
+                }
+                Backend::S3(s3) => s3.probe().await,
+            }
+        };
+        let answer = match tokio::time::timeout(HEALTH_PATIENCE, check).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no answer within {} s", HEALTH_PATIENCE.as_secs())),
+        };
+        *last = Some((std::time::Instant::now(), answer.clone()));
+        answer
     }
 
     /// `file:///abs/dir` or `s3://bucket/prefix at endpoint`, for logs and `/healthz`.
@@ -178,11 +222,36 @@ impl ArtifactStore {
     ) -> StoreResult<BoxStream<'static, StoreResult<Bytes>>> {
         match &self.backend {
             Backend::Local(dir) => {
-                let (dir, key) = (dir.clone(), key.clone());
-                let reader = blocking(move || dir.open_range(&key, offset, len)).await?;
+                let (dir, owned_key) = (dir.clone(), key.clone());
+                let reader = blocking(move || dir.open_range(&owned_key, offset, len)).await.map_err(|e| match e {
+                    StoreError::Io(e) if e.kind() == std::io::ErrorKind::NotFound => StoreError::Missing(key.0.clone()),
+                    other => other,
+                })?;
                 Ok(blocking_chunks(reader))
             }
             Backend::S3(s3) => s3.read(key, offset, len).await,
+        }
+    }
+
+    /// A small object's bytes (a marker, not an export file), or `None` when it does not exist.
+    pub async fn get_small(&self, key: &ObjectKey) -> StoreResult<Option<Bytes>> {
+        match &self.backend {
+            Backend::Local(dir) => {
+                let (dir, key) = (dir.clone(), key.clone());
+                Ok(blocking(move || dir.read_all(&key)).await?.map(Bytes::from))
+            }
+            Backend::S3(s3) => s3.get_small(key).await,
+        }
+    }
+
+    /// Writes a small object unless one exists. Returns whether this call wrote it.
+    pub async fn create_small(&self, key: &ObjectKey, bytes: Vec<u8>) -> StoreResult<bool> {
+        match &self.backend {
+            Backend::Local(dir) => {
+                let (dir, key) = (dir.clone(), key.clone());
+                blocking(move || dir.create(&key, &bytes)).await
+            }
+            Backend::S3(s3) => s3.create(key, bytes).await,
         }
     }
 

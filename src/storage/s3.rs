@@ -13,7 +13,8 @@ use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path;
 use object_store::{
-    BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig,
+    BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
+    RetryConfig,
 };
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
@@ -134,7 +135,11 @@ impl S3 {
             return Ok(futures_util::stream::empty().boxed());
         }
         let options = GetOptions { range: Some(GetRange::Bounded(offset..offset + len)), ..GetOptions::default() };
-        let result = self.store.get_opts(&self.path(key.as_str()), options).await?;
+        let result = match self.store.get_opts(&self.path(key.as_str()), options).await {
+            Ok(result) => result,
+            Err(object_store::Error::NotFound { .. }) => return Err(StoreError::Missing(key.as_str().to_owned())),
+            Err(e) => return Err(e.into()),
+        };
         Ok(result.into_stream().map_err(StoreError::from).boxed())
     }
 
@@ -150,6 +155,32 @@ impl S3 {
             bytes += chunk.len() as u64;
         }
         Ok(Some((bytes, hex::encode(hasher.finalize()))))
+    }
+
+    /// A small object's bytes, or `None` when it does not exist.
+    pub(super) async fn get_small(&self, key: &ObjectKey) -> StoreResult<Option<Bytes>> {
+        match self.store.get(&self.path(key.as_str())).await {
+            Ok(result) => Ok(Some(result.bytes().await?)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Writes a small object only if none exists (`If-None-Match: *`; a store without
+    /// conditional writes overwrites, and the caller reads back what won). Returns whether this
+    /// call wrote it.
+    pub(super) async fn create(&self, key: &ObjectKey, bytes: Vec<u8>) -> StoreResult<bool> {
+        let path = self.path(key.as_str());
+        let options = PutOptions { mode: PutMode::Create, ..PutOptions::default() };
+        match self.store.put_opts(&path, PutPayload::from(bytes.clone()), options).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. }) => Ok(false),
+            Err(object_store::Error::NotImplemented { .. }) => {
+                self.store.put(&path, PutPayload::from(bytes)).await?;
+                Ok(true)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     pub(super) async fn delete(&self, key: &ObjectKey) -> StoreResult<u64> {

@@ -58,18 +58,21 @@ impl Deliverer {
         Ok(Deliverer { pool, registry, settings, sender, owner })
     }
 
-    /// Refuses, at start-up, endpoints this process would refuse on every attempt (http without
-    /// EXPORTD_WEBHOOK_ALLOW_HTTP, a literal internal address), naming the tenant file and field.
-    pub fn check_endpoints(&self, tenants_dir: &std::path::Path) -> anyhow::Result<()> {
+    /// Endpoints this process would refuse on every attempt (http without
+    /// EXPORTD_WEBHOOK_ALLOW_HTTP, a literal internal address), each named by tenant file and
+    /// field. Start-up warns about them; it does not stop: one tenant's endpoint never takes
+    /// the others down, and its deliveries record the same reason as their `last_error`.
+    pub fn endpoint_problems(&self, tenants_dir: &std::path::Path) -> Vec<String> {
+        let mut problems = Vec::new();
         for tenant in self.registry.tenants() {
             for (i, endpoint) in tenant.webhooks.iter().enumerate() {
                 if let Err(reason) = self.sender.admissible(endpoint) {
                     let file = tenants_dir.join(format!("{}.toml", tenant.id));
-                    anyhow::bail!("{}: webhooks[{i}].url: {reason}", file.display());
+                    problems.push(format!("{}: webhooks[{i}].url: {reason}", file.display()));
                 }
             }
         }
-        Ok(())
+        problems
     }
 
     /// One pass: route new events, then attempt every due delivery. Returns how many attempts

@@ -20,14 +20,14 @@ async fn stored_versions(pool: &PgPool) -> i64 {
 }
 
 #[sqlx::test(migrations = "./migrations")]
-async fn healthz_reports_the_database_and_marks_responses_private(pool: PgPool) {
+async fn healthz_reports_the_database_and_the_store_and_marks_responses_private(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
     let response = app.get(None, "/healthz").await;
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["cache-control"], "private, no-store");
     assert_eq!(response.headers()["x-content-type-options"], "nosniff");
     assert!(response.headers().contains_key("x-request-id"));
-    assert_eq!(response.json::<Value>().await.unwrap(), json!({"status": "ok", "database": "ok"}));
+    assert_eq!(response.json::<Value>().await.unwrap(), json!({"status": "ok", "database": "ok", "store": "ok"}));
 }
 
 #[sqlx::test(migrations = "./migrations")]

@@ -16,6 +16,7 @@ mod isolation;
 mod parallel;
 mod quotas;
 mod record_store;
+mod restarts;
 mod storage;
 mod tenant_config;
 mod webhooks;

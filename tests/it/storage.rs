@@ -42,6 +42,7 @@ on_both_backends!(
     a_crashed_export_resumes_to_the_same_bytes_without_rewriting_verified_shards,
     truncated_or_extended_shard_files_are_rewritten_on_rerun,
     revoke_expiry_and_the_cleaner_delete_through_the_store,
+    a_second_deployment_is_refused_and_deletes_nothing,
 );
 
 async fn published(app: &TestApp, rows: u64) -> (String, Value) {
@@ -268,9 +269,10 @@ async fn revoke_expiry_and_the_cleaner_delete_through_the_store(app: TestApp) {
     let revoked_prefix = ObjectKey::parse(&format!("acme/{revoked}")).unwrap();
     assert_eq!(app.store.list(Some(&revoked_prefix)).await.unwrap(), vec![]);
 
-    // Debris: an orphan export and a stale file of an older attempt of a live export.
-    let orphan = format!("acme/{}/g1/shard-00000.csv.gz", uuid::Uuid::new_v4());
-    put_object(&app.store, &orphan, vec![7u8; 4096]).await;
+    // Debris: a stale file of an older attempt of a live export; and a directory of an export
+    // this deployment never created, which is not debris of its own.
+    let unknown = format!("acme/{}/g1/shard-00000.csv.gz", uuid::Uuid::new_v4());
+    put_object(&app.store, &unknown, vec![7u8; 4096]).await;
     let stale = format!("acme/{live}/g0/shard-00000.jsonl.gz");
     put_object(&app.store, &stale, vec![7u8; 1000]).await;
 
@@ -278,13 +280,31 @@ async fn revoke_expiry_and_the_cleaner_delete_through_the_store(app: TestApp) {
     let report = exportd::cleaner::run_once(&app.pool, store, &app.registry, app.clock.now()).await.unwrap();
     assert!(report.ran);
     assert_eq!(report.expired, 0);
-    assert_eq!(report.bytes("orphan"), 4096);
     assert_eq!(report.bytes("unreferenced"), 1000);
-    for debris in [&orphan, &stale] {
-        assert_eq!(read_object(store, &ObjectKey::parse(debris).unwrap()).await, None, "{debris} remains");
-    }
+    assert_eq!(read_object(store, &ObjectKey::parse(&stale).unwrap()).await, None, "{stale} remains");
+    assert_eq!(report.unknown, (1, 1, 4096), "an unknown export is counted");
+    assert!(read_object(store, &ObjectKey::parse(&unknown).unwrap()).await.is_some(), "and left alone");
+    assert_eq!(report.missing, vec![]);
     assert_eq!(app.own_shard_files(&live).await, live_files, "a live export is untouched");
     assert_eq!(get(&app, &format!("/v1/exports/{expiring}/file"), None).await.status(), 200);
+
+    // A published export's file deleted behind exportd's back: the cleaner reports it, and
+    // downloads say what happened instead of failing with a 500.
+    let live_keys: Vec<String> =
+        sqlx::query_scalar("SELECT object_key FROM export_shards WHERE export_id = $1::uuid ORDER BY shard_index")
+            .bind(&live)
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    store.delete(&ObjectKey::parse(&live_keys[0]).unwrap()).await.unwrap();
+    let report = exportd::cleaner::run_once(&app.pool, store, &app.registry, app.clock.now()).await.unwrap();
+    assert_eq!(report.missing, vec![("acme".to_owned(), live.parse().unwrap(), 1)]);
+    for path in [format!("/v1/exports/{live}/file"), format!("/v1/exports/{live}/shards/0")] {
+        let response = get(&app, &path, None).await;
+        assert_eq!(response.status(), 410, "{path}");
+        assert_eq!(problem(response).await["code"], "files-missing", "{path}");
+    }
+    store.delete(&ObjectKey::parse(&unknown).unwrap()).await.unwrap();
 
     // acme keeps artifacts 72 hours (fixture default): move the clock past that.
     app.clock.advance(std::time::Duration::from_secs(73 * 3600));
@@ -292,7 +312,8 @@ async fn revoke_expiry_and_the_cleaner_delete_through_the_store(app: TestApp) {
     assert_eq!(report.expired, 2);
     assert!(report.bytes("expired") > 0);
     assert_eq!(app.state(&expiring).await, "EXPIRED");
-    assert_eq!(app.store.list(None).await.unwrap(), vec![], "nothing is left");
+    let left: Vec<_> = app.store.list(None).await.unwrap().into_iter().map(|o| o.key.as_str().to_owned()).collect();
+    assert_eq!(left, vec![exportd::storage::ownership::MARKER], "nothing but the owner marker is left");
     assert_eq!(get(&app, &format!("/v1/exports/{expiring}/file"), None).await.status(), 410);
     let reclaimed: i64 = sqlx::query_scalar("SELECT sum(bytes)::bigint FROM storage_reclaims WHERE reason = 'expired'")
         .fetch_one(&app.pool)
@@ -345,11 +366,8 @@ async fn abandoned_multipart_uploads_are_invisible_and_aborted_by_the_cleaner(po
     assert_eq!(app.store.digest(&key).await.unwrap(), None);
 }
 
-/// The store goes away in the middle of an export: the worker retries, gives the job back
-/// without counting an attempt against it, and downloads answer 503 with Retry-After. When the
-/// store is back, the export finishes with the same bytes, and nothing was lost.
-#[sqlx::test(migrations = "./migrations")]
-async fn a_store_outage_mid_export_delays_it_and_loses_nothing(pool: PgPool) {
+/// An app whose S3 store is reached through an [`OutageProxy`], for outages on demand.
+async fn behind_proxy(pool: PgPool) -> (TestApp, OutageProxy) {
     let endpoint = std::env::var("EXPORTD_TEST_S3_ENDPOINT").expect("EXPORTD_TEST_S3_ENDPOINT (run scripts/test)");
     let target = endpoint.trim_start_matches("http://").trim_end_matches('/').parse().expect("host:port endpoint");
     let proxy = OutageProxy::start(target).await;
@@ -360,6 +378,15 @@ async fn a_store_outage_mid_export_delays_it_and_loses_nothing(pool: PgPool) {
         StorageLocation::S3(config)
     })
     .await;
+    (app, proxy)
+}
+
+/// The store goes away in the middle of an export: the worker retries, gives the job back
+/// without counting an attempt against it, and downloads answer 503 with Retry-After. When the
+/// store is back, the export finishes with the same bytes, and nothing was lost.
+#[sqlx::test(migrations = "./migrations")]
+async fn a_store_outage_mid_export_delays_it_and_loses_nothing(pool: PgPool) {
+    let (app, proxy) = behind_proxy(pool).await;
     let (before, manifest) = published(&app, 230).await;
     let admin = app.token("acme", "alice");
     let during = app.export(&admin, &json!({"dataset": "tickets", "format": "csv", "shard_rows": 100})).await;
@@ -394,4 +421,76 @@ async fn a_store_outage_mid_export_delays_it_and_loses_nothing(pool: PgPool) {
     assert_eq!(sha256(&whole), manifest["file"]["sha256"]);
     let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM pending_uploads").fetch_one(&app.pool).await.unwrap();
     assert_eq!(pending, 0, "no upload is left behind");
+}
+
+/// A second deployment (its own database) pointed at the first one's store: it cannot claim the
+/// store, its cleaner deletes nothing, a process of it refuses to start and says what to do, and
+/// the first deployment's exports still download.
+async fn a_second_deployment_is_refused_and_deletes_nothing(app: TestApp) {
+    let (id, manifest) = published(&app, 230).await;
+    let before = app.store.list(None).await.unwrap();
+    let other = crate::common::SecondDatabase::create(&app.pool).await;
+    let them = exportd::storage::Deployment::of(&other.pool).await.unwrap();
+    let error = app.store.claim(&them).await.expect_err("the store is the first deployment's").to_string();
+    assert!(error.contains("belongs to another exportd deployment"), "{error}");
+    assert!(error.contains("EXPORTD_DATA_DIR") && error.contains("EXPORTD_STORAGE"), "says what to do: {error}");
+
+    let registry = crate::common::prepare_db(&other.pool).await;
+    let cleaned = exportd::cleaner::run_once(&other.pool, &app.store, &registry, app.clock.now()).await;
+    assert!(cleaned.is_err(), "the other deployment's cleaner does not run on this store");
+    assert_eq!(app.store.list(None).await.unwrap(), before, "nothing was deleted");
+    let whole = get(&app, &format!("/v1/exports/{id}/file"), None).await.bytes().await.unwrap();
+    assert_eq!(sha256(&whole), manifest["file"]["sha256"]);
+
+    // A process of the other deployment stops at start-up with the same message.
+    let log = app.data_dir.path().join("other.log");
+    let mut worker = crate::common::processes::worker_command(&other.url, app.data_dir.path(), &log, 1, "5s");
+    worker.arg("--exit-when-idle");
+    let described = app.store.describe();
+    if !described.starts_with("file://") {
+        let var = |name: &str| std::env::var(name).unwrap();
+        worker
+            .env("EXPORTD_STORAGE", described.split(" at ").next().unwrap())
+            .env("EXPORTD_S3_ENDPOINT", var("EXPORTD_TEST_S3_ENDPOINT"))
+            .env("AWS_ACCESS_KEY_ID", var("EXPORTD_TEST_S3_ACCESS_KEY_ID"))
+            .env("AWS_SECRET_ACCESS_KEY", var("EXPORTD_TEST_S3_SECRET_ACCESS_KEY"));
+    }
+    let status = worker.status().unwrap();
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("belongs to another exportd deployment"), "{log}");
+    assert_eq!(app.store.list(None).await.unwrap(), before, "nothing was deleted");
+    other.drop().await;
+}
+
+/// The store hangs (connections accepted, nothing answered) for longer than the response
+/// deadline: downloads answer 503 problem+json with Retry-After well before it, `/healthz` says
+/// the store is unreachable, and both recover when the store is back.
+#[sqlx::test(migrations = "./migrations")]
+async fn a_hanging_store_is_answered_with_503_and_shown_by_healthz(pool: PgPool) {
+    let (app, proxy) = behind_proxy(pool).await;
+    let (id, manifest) = published(&app, 230).await;
+    let health = || async { app.get(None, "/healthz").await.json::<Value>().await.unwrap() };
+    assert_eq!(health().await["store"], "ok");
+
+    proxy.freeze();
+    let asked = std::time::Instant::now();
+    let response = get(&app, &format!("/v1/exports/{id}/file"), None).await;
+    let waited = asked.elapsed();
+    assert_eq!(response.status(), 503);
+    assert!(waited < std::time::Duration::from_secs(20), "answered after {waited:?}, before the 30 s deadline");
+    assert!(response.headers().contains_key("retry-after"));
+    assert_eq!(response.headers()["content-type"], "application/problem+json");
+    assert_eq!(problem(response).await["code"], "temporarily-unavailable");
+    let unhealthy = health().await;
+    assert_eq!((&unhealthy["status"], &unhealthy["store"]), (&json!("degraded"), &json!("unreachable")), "{unhealthy}");
+
+    proxy.heal();
+    let healed = std::time::Instant::now();
+    while health().await["store"] != "ok" {
+        assert!(healed.elapsed() < std::time::Duration::from_secs(30), "healthz never saw the store again");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let whole = get(&app, &format!("/v1/exports/{id}/file"), None).await.bytes().await.unwrap();
+    assert_eq!(sha256(&whole), manifest["file"]["sha256"]);
 }

@@ -227,14 +227,40 @@ async fn internal_addresses_are_refused_after_resolution_and_redirects_are_not_f
     let foreign = app.post(&app.token("globex", "hank"), &format!("/v1/webhooks/deliveries/{id}/retry")).await;
     assert_eq!(foreign.status(), 404, "another tenant's delivery looks missing");
 
-    // http:// without EXPORTD_WEBHOOK_ALLOW_HTTP stops start-up, naming the file and field.
+    // http:// without EXPORTD_WEBHOOK_ALLOW_HTTP is reported at start-up, naming the file and
+    // field — a warning, not a stop: one tenant's endpoint never takes the others down.
     let no_http = WebhookSettings { webhook_allow_http: false, ..quick() };
-    let error = Deliverer::new(app.pool.clone(), registry, no_http)
-        .unwrap()
-        .check_endpoints(std::path::Path::new("tenants"))
-        .unwrap_err()
-        .to_string();
-    assert!(error.contains("acme.toml: webhooks[0].url") && error.contains("EXPORTD_WEBHOOK_ALLOW_HTTP"), "{error}");
+    let problems =
+        Deliverer::new(app.pool.clone(), registry, no_http).unwrap().endpoint_problems(std::path::Path::new("tenants"));
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(problems[0].contains("acme.toml: webhooks[0].url") && problems[0].contains("EXPORTD_WEBHOOK_ALLOW_HTTP"));
+}
+
+/// A tenant file whose webhook URL is a loopback literal: the process starts all the same (and
+/// says why that endpoint's deliveries will fail), serves and stops cleanly.
+#[sqlx::test(migrations = "./migrations")]
+async fn an_unusable_webhook_url_does_not_stop_the_process(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let section = webhook_section("local", "https://127.0.0.1:9/hook", &["export.succeeded"], SECRET);
+    let tenants = crate::common::edited_tenants_dir("acme", move |text| format!("{text}{section}"));
+    let url = crate::common::processes::database_url(&app.pool).await;
+    let log = app.data_dir.path().join("worker.log");
+    let mut worker = crate::common::processes::worker_command(&url, app.data_dir.path(), &log, 1, "5s");
+    let mut worker = worker.env("EXPORTD_TENANTS_DIR", tenants.path()).spawn().unwrap();
+    // Up once it has registered with the cluster.
+    let registered = "SELECT count(*) FROM cluster_processes WHERE runs_workers";
+    let start = Instant::now();
+    while sqlx::query_scalar::<_, i64>(registered).fetch_one(&app.pool).await.unwrap() == 0 {
+        let exited = worker.try_wait().unwrap();
+        assert!(exited.is_none(), "the worker stopped: {}", std::fs::read_to_string(&log).unwrap());
+        assert!(start.elapsed() < Duration::from_secs(20), "the worker never registered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    crate::common::processes::terminate(&worker);
+    let status = crate::common::processes::wait_exit(&mut worker, Duration::from_secs(20)).await;
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(status.is_some_and(|s| s.success()), "{log}");
+    assert!(log.contains("webhooks[0].url") && log.contains("loopback"), "the reason is logged: {log}");
 }
 
 #[sqlx::test(migrations = "./migrations")]

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use crate::common::processes::{self, deadlocks, spawn_worker, terminate, wait_exit, wait_terminal};
-use crate::common::{TestApp, expire_lease, full_csv};
+use crate::common::{TestApp, expire_lease, expire_lease_by, full_csv};
 use exportd::jobs::{ClaimedExport, Step, WorkerConfig};
 use serde_json::{Value, json};
 use sqlx::{Connection, PgPool};
@@ -46,25 +46,66 @@ async fn a_job_that_progresses_between_crashes_never_exhausts_its_attempts(pool:
     assert_eq!((state.as_str(), attempts, stalled), ("SUCCEEDED", 9, 1));
 }
 
+/// Workers killed again and again before a checkpoint (a kill storm) do not fail an export:
+/// many stalls in a short time are not a poison export.
 #[sqlx::test(migrations = "./migrations")]
-async fn a_job_that_keeps_dying_without_progress_fails_attempts_exhausted(pool: PgPool) {
+async fn many_quick_stalls_do_not_fail_an_export(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
     app.seed("acme", "tickets", 30).await;
     let id = app.export(&app.token("acme", "alice"), &full_csv(10)).await;
     let deps = app.deps();
-    // One crash with progress, then five without: the count starts again after the progress.
+    for _ in 0..8 {
+        drop(ClaimedExport::claim(&deps, "doomed").await.unwrap().unwrap()); // killed at once
+        expire_lease(&app.pool, &id).await;
+    }
+    assert_eq!(app.drain().await, vec![Step::Published]);
+    let (state, attempts, _, _) = job(&app.pool, &id).await;
+    assert_eq!((state.as_str(), attempts), ("SUCCEEDED", 9));
+}
+
+/// An export that kills every worker taking it: after the second stall in a row the next claim
+/// waits (a sixth of the lease, doubling), and once more than `max_attempts` stalls went on for
+/// `give_up_after` it fails `attempts-exhausted`. A crash with progress starts the count again.
+#[sqlx::test(migrations = "./migrations")]
+async fn an_export_that_keeps_killing_its_workers_fails_after_the_give_up_time(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 30).await;
+    let id = app.export(&app.token("acme", "alice"), &full_csv(10)).await;
+    let deps = app.deps(); // 30 s leases: the first wait is 5 s
     let mut first = ClaimedExport::claim(&deps, "doomed").await.unwrap().unwrap();
     assert!(matches!(first.step().await.unwrap(), Step::ShardWritten { index: 0, .. }));
     drop(first);
-    for _ in 0..5 {
+    for stalled in 1..=5 {
         expire_lease(&app.pool, &id).await;
-        let doomed = ClaimedExport::claim(&deps, "doomed").await.unwrap().unwrap();
-        drop(doomed);
+        drop(ClaimedExport::claim(&deps, "doomed").await.unwrap().unwrap());
+        if stalled == 2 {
+            // Its lease ran out a second ago: too soon after two stalls in a row.
+            expire_lease_by(&app.pool, &id, "1 second").await;
+            assert!(ClaimedExport::claim(&deps, "eager").await.unwrap().is_none(), "the claim waits");
+        }
     }
     expire_lease(&app.pool, &id).await;
+    // A sixth stall in a row, given back after an error (which counts too).
+    let sixth = ClaimedExport::claim(&deps, "doomed").await.unwrap().unwrap();
+    let (_, _, stalled, _) = job(&app.pool, &id).await;
+    assert_eq!(stalled, 6);
+    sixth.give_back(false).await.unwrap();
+    // They went on for more than `give_up_after` (10 minutes by default).
+    sqlx::query("UPDATE export_jobs SET stalled_since = now() - interval '601 seconds' WHERE id = $1::uuid")
+        .bind(&id)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    expire_lease(&app.pool, &id).await;
     assert_eq!(app.drain().await, vec![Step::Failed { code: "attempts-exhausted".into() }]);
-    let (state, attempts, stalled, code) = job(&app.pool, &id).await;
-    assert_eq!((state.as_str(), attempts, stalled, code.as_deref()), ("FAILED", 7, 6, Some("attempts-exhausted")));
+    let (state, _, stalled, code) = job(&app.pool, &id).await;
+    assert_eq!((state.as_str(), stalled, code.as_deref()), ("FAILED", 7, Some("attempts-exhausted")));
+    let detail: String = sqlx::query_scalar("SELECT error_detail FROM export_jobs WHERE id = $1::uuid")
+        .bind(&id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert!(detail.contains("6 attempts in a row without a new checkpoint, over 10m"), "{detail}");
 }
 
 #[sqlx::test(migrations = "./migrations")]

@@ -50,10 +50,14 @@ pub struct Claimed {
 /// `max_running_exports` and the round-robin hold with any number of worker processes.
 /// Candidates are ranked without row locks and only the chosen row is locked (`SKIP LOCKED`),
 /// so a claim holds one job row, then the tenant's `scheduler_turns` row (the lock order).
+///
+/// A job whose last attempts ended without a checkpoint is claimed again only after `backoff`,
+/// so an export that kills its workers does not kill one per lease period.
 pub async fn claim(
     pool: &PgPool,
     worker_id: &str,
     ttl: Duration,
+    backoff: StallBackoff,
     limits: &[(String, i32)],
     resting: &[String],
 ) -> sqlx::Result<Option<Claimed>> {
@@ -67,7 +71,13 @@ pub async fn claim(
         r#"WITH limits AS (SELECT * FROM unnest($1::text[], $2::int[]) AS l(tenant, max_running)),
            unfinished AS (
                SELECT j.id, j.tenant, j.state, j.created_at,
-                      j.lease_expires_at IS NULL OR j.lease_expires_at < now() AS lease_free,
+                      -- After the second attempt in a row that ended without a checkpoint, the
+                      -- next waits $4 ms past the lapsed lease, doubling each time up to $5.
+                      j.lease_expires_at IS NULL OR j.lease_expires_at
+                          + CASE WHEN j.yielded OR j.interrupted OR j.shards_done > j.shards_at_claim
+                                      OR j.stalled_attempts < 2 THEN 0
+                                 ELSE least($4 * 2 ^ (j.stalled_attempts - 2), $5) END * interval '1 millisecond'
+                          < now() AS lease_free,
                       j.state IN ('RUNNING', 'CANCEL_REQUESTED') AND j.lease_expires_at >= now() AS leased,
                       EXISTS (SELECT 1 FROM export_shard_plan p WHERE p.export_id = j.id
                               AND NOT p.done AND p.writer_expires_at >= now()) AS has_live_writers,
@@ -103,6 +113,8 @@ pub async fn claim(
         &tenants,
         &max_running,
         resting,
+        millis(backoff.first),
+        millis(backoff.most),
     )
     .fetch_optional(&mut *tx)
     .await?;
@@ -120,6 +132,8 @@ pub async fn claim(
              stalled_attempts = CASE WHEN yielded OR shards_done > shards_at_claim THEN 1
                                      WHEN interrupted THEN stalled_attempts
                                      ELSE stalled_attempts + 1 END,
+             stalled_since = CASE WHEN yielded OR shards_done > shards_at_claim THEN now()
+                                  ELSE coalesce(stalled_since, now()) END,
              shards_at_claim = shards_done,
              yielded = false,
              interrupted = false,
@@ -136,6 +150,14 @@ pub async fn claim(
     turn_taken(&mut tx, &job.tenant).await?;
     tx.commit().await?;
     Ok(Some(Claimed { job, was_yielded: candidate.yielded }))
+}
+
+/// The wait before claiming a job again after its second, third, … attempt in a row ended
+/// without a checkpoint: `first`, doubling, at most `most`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StallBackoff {
+    pub first: Duration,
+    pub most: Duration,
 }
 
 /// Extends the lease; returns the job's state (a cancel request shows up here).

@@ -30,7 +30,7 @@ macro_rules! job_query {
                   format AS "format: crate::writers::Format", codec AS "codec: crate::writers::Codec", request, request_sha256,
                   state AS "state: crate::exports::ExportState", watermark::text AS "watermark!", columns,
                   filter, row_filter, shard_rows, created_at, started_at, finished_at, lease_generation,
-                  attempts, stalled_attempts, shards_done, rows_done, bytes_done, error_code, error_detail,
+                  attempts, stalled_attempts, stalled_since, shards_done, rows_done, bytes_done, error_code, error_detail,
                   manifest_sha256, file_bytes, file_sha256, expires_at, from_cursor, start_from, start_after,
                   until_tick, rows_estimate, planned_rows, plan_complete "#
                 + $after

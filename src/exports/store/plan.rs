@@ -34,6 +34,8 @@ pub struct PlannedShard {
     pub writer_attempt: i32,
     /// Takes of this row whose previous writer vanished without giving it back.
     pub takeovers: i32,
+    /// When the first of those writers vanished.
+    pub first_takeover_at: Option<time::OffsetDateTime>,
 }
 
 /// The right to write one shard of one job, for one attempt.
@@ -313,9 +315,11 @@ async fn assign_writer(
         "UPDATE export_shard_plan SET writer = $3,
              writer_expires_at = now() + $4 * interval '1 millisecond',
              writer_attempt = writer_attempt + 1,
-             takeovers = takeovers + CASE WHEN writer_expires_at IS NULL OR done THEN 0 ELSE 1 END
+             takeovers = takeovers + CASE WHEN writer_expires_at IS NULL OR done THEN 0 ELSE 1 END,
+             first_takeover_at = CASE WHEN writer_expires_at IS NULL OR done THEN first_takeover_at
+                                      ELSE coalesce(first_takeover_at, now()) END
          WHERE export_id = $1 AND shard_index = $2
-         RETURNING shard_index, after_key, last_key, rows, writer_attempt, takeovers",
+         RETURNING shard_index, after_key, last_key, rows, writer_attempt, takeovers, first_takeover_at",
         job_id,
         index,
         worker,

@@ -42,6 +42,19 @@ pub async fn object_keys(pool: &PgPool, export_id: Uuid) -> sqlx::Result<HashSet
     Ok(keys.into_iter().collect())
 }
 
+/// Every file of every export that downloads serve (published, files not ended with it):
+/// (tenant, export, object key).
+pub async fn published_object_keys(pool: &PgPool) -> sqlx::Result<Vec<(String, Uuid, String)>> {
+    let rows = sqlx::query!(
+        "SELECT j.tenant, j.id, s.object_key FROM export_jobs j JOIN export_shards s ON s.export_id = j.id
+         WHERE exportd_export_published(j.state) AND NOT exportd_export_ended_without_files(j.state)
+           AND j.files_deleted_at IS NULL",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.tenant, r.id, r.object_key)).collect())
+}
+
 /// The attempt directories (`s{index}-a{attempt}`) of each planned shard's current writer:
 /// files being written now.
 pub async fn attempts_being_written(pool: &PgPool, export_id: Uuid) -> sqlx::Result<HashSet<String>> {

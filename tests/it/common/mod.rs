@@ -73,6 +73,34 @@ pub async fn fresh_store(backend: Backend, pool: &PgPool, data_dir: &Path) -> Ar
     ArtifactStore::connect(&fresh_location(backend, data_dir), pool).await.expect("artifact store")
 }
 
+/// A second database on the test server, migrated: another deployment. Dropped by [`drop`].
+pub struct SecondDatabase {
+    pub pool: PgPool,
+    pub url: String,
+    name: String,
+    admin: PgPool,
+}
+
+impl SecondDatabase {
+    pub async fn create(admin: &PgPool) -> SecondDatabase {
+        let name = format!("exportd_second_{}", uuid::Uuid::new_v4().simple());
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(admin).await.unwrap();
+        let url = processes::database_url(admin).await;
+        let url = format!("{}/{name}", url.rsplit_once('/').unwrap().0);
+        let pool = PgPool::connect(&url).await.unwrap();
+        sqlx::migrate!("./migrations").run(&pool).await.unwrap();
+        SecondDatabase { pool, url, name, admin: admin.clone() }
+    }
+
+    pub async fn drop(self) {
+        self.pool.close().await;
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {} WITH (FORCE)", self.name)))
+            .execute(&self.admin)
+            .await
+            .unwrap();
+    }
+}
+
 pub struct TestApp {
     pub addr: SocketAddr,
     pub pool: PgPool,
@@ -109,6 +137,9 @@ impl TestApp {
         let addr = listener.local_addr().unwrap();
         let data_dir = tempfile::tempdir().expect("temp dir");
         let store = ArtifactStore::connect(&location(data_dir.path()), &pool).await.expect("artifact store");
+        // As a server does at start: the store is this deployment's from now on.
+        let us = exportd::storage::Deployment::of(&pool).await.unwrap();
+        store.claim(&us).await.expect("a fresh store is claimed");
         let clock = Clock::system();
         let links = Arc::new(LinkKeys::parse(LINK_KEYS).unwrap());
         let state = AppState::new(pool.clone(), registry.clone(), store.clone(), links, clock.clone());
@@ -307,16 +338,24 @@ pub fn full_csv(shard_rows: u32) -> Value {
 
 /// Ends the job's lease, and its shard writers' leases, now, as if its workers had stalled past them.
 pub async fn expire_lease(pool: &PgPool, id: &str) {
-    sqlx::query("UPDATE export_jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1::uuid")
+    expire_lease_by(pool, id, "1 hour").await;
+}
+
+/// The job's lease (and its shards' writer leases) ran out `ago` (an SQL interval): long ago
+/// with [`expire_lease`], past any wait before a claim after stalled attempts.
+pub async fn expire_lease_by(pool: &PgPool, id: &str, ago: &str) {
+    sqlx::query("UPDATE export_jobs SET lease_expires_at = now() - $2::interval WHERE id = $1::uuid")
         .bind(id)
+        .bind(ago)
         .execute(pool)
         .await
         .unwrap();
     sqlx::query(
-        "UPDATE export_shard_plan SET writer_expires_at = now() - interval '1 second'
+        "UPDATE export_shard_plan SET writer_expires_at = now() - $2::interval
          WHERE export_id = $1::uuid AND writer_expires_at IS NOT NULL",
     )
     .bind(id)
+    .bind(ago)
     .execute(pool)
     .await
     .unwrap();

@@ -57,6 +57,16 @@ impl Server {
     /// Starts `exportd serve --workers <workers>` on a free port, its log (EXPORTD_LOG=info)
     /// appended to `log`, or none; returns once `/healthz` answers.
     pub async fn start(app: &TestApp, workers: &str, log: Option<&Path>) -> Server {
+        Server::start_with(app, workers, log, |_| {}).await
+    }
+
+    /// [`Server::start`] with settings changed by `configure` (e.g. no `EXPORTD_LINK_KEYS`).
+    pub async fn start_with(
+        app: &TestApp,
+        workers: &str,
+        log: Option<&Path>,
+        configure: impl FnOnce(&mut Command),
+    ) -> Server {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let (level, log) = match log {
             Some(path) => {
@@ -64,8 +74,8 @@ impl Server {
             }
             None => ("error", Stdio::null()),
         };
-        #[allow(clippy::zombie_processes)] // waited for in `Server::drop`
-        let child = Command::new(env!("CARGO_BIN_EXE_exportd"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_exportd"));
+        command
             .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--workers", workers])
             .env("DATABASE_URL", database_url(&app.pool).await)
             .env("EXPORTD_TENANTS_DIR", fixture_tenants_dir())
@@ -73,9 +83,10 @@ impl Server {
             .env("EXPORTD_LINK_KEYS", LINK_KEYS)
             .env("EXPORTD_LOG", level)
             .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
+            .stderr(log);
+        configure(&mut command);
+        #[allow(clippy::zombie_processes)] // waited for in `Server::drop`
+        let child = command.spawn().unwrap();
         let base = format!("http://127.0.0.1:{port}");
         for _ in 0..200 {
             if reqwest::get(format!("{base}/healthz")).await.is_ok_and(|r| r.status() == 200) {

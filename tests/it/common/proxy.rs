@@ -1,5 +1,5 @@
-//! A TCP proxy that can cut its traffic: an outage of whatever it fronts (the S3 store), made
-//! on demand, and healed again.
+//! A TCP proxy that can cut its traffic or freeze it: an outage of whatever it fronts (the S3
+//! store), made on demand, and healed again.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -8,9 +8,18 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Up,
+    /// Connections are accepted and closed at once.
+    Cut,
+    /// Connections are accepted and held open, and nothing is forwarded: a hung store.
+    Frozen,
+}
+
 pub struct OutageProxy {
     pub addr: SocketAddr,
-    up: watch::Sender<bool>,
+    mode: watch::Sender<Mode>,
     connections: Arc<Mutex<JoinSet<()>>>,
 }
 
@@ -18,32 +27,48 @@ impl OutageProxy {
     pub async fn start(target: SocketAddr) -> OutageProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let (up, watch_up) = watch::channel(true);
+        let (mode, watch_mode) = watch::channel(Mode::Up);
         let connections = Arc::new(Mutex::new(JoinSet::new()));
         let tracked = connections.clone();
         tokio::spawn(async move {
             while let Ok((mut client, _)) = listener.accept().await {
-                if !*watch_up.borrow() {
-                    drop(client); // down: connections are accepted and closed at once
-                    continue;
-                }
+                let now = *watch_mode.borrow();
+                let mut until_healed = watch_mode.clone();
                 tracked.lock().unwrap().spawn(async move {
-                    if let Ok(mut server) = TcpStream::connect(target).await {
-                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    match now {
+                        Mode::Cut => drop(client),
+                        Mode::Frozen => {
+                            let _ = until_healed.wait_for(|m| *m == Mode::Up).await;
+                            drop(client);
+                        }
+                        Mode::Up => {
+                            if let Ok(mut server) = TcpStream::connect(target).await {
+                                let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                            }
+                        }
                     }
                 });
             }
         });
-        OutageProxy { addr, up, connections }
+        OutageProxy { addr, mode, connections }
     }
 
     /// Drops every open connection and refuses new ones.
     pub fn cut(&self) {
-        self.up.send_replace(false);
-        self.connections.lock().unwrap().abort_all();
+        self.set(Mode::Cut);
+    }
+
+    /// Drops every open connection; new ones are accepted and never answered.
+    pub fn freeze(&self) {
+        self.set(Mode::Frozen);
     }
 
     pub fn heal(&self) {
-        self.up.send_replace(true);
+        self.mode.send_replace(Mode::Up);
+    }
+
+    fn set(&self, mode: Mode) {
+        self.mode.send_replace(mode);
+        self.connections.lock().unwrap().abort_all();
     }
 }
