@@ -70,8 +70,7 @@ impl WorkerConfig {
     /// Whether `count` stalls (or takeovers) that began at `since` are enough to give up: more
     /// than `max_attempts`, for at least `give_up_after`.
     pub fn exhausted(&self, count: i32, since: Option<OffsetDateTime>) -> bool {
-        let lasted = since.map_or(Duration::ZERO, |since| (OffsetDateTime::now_utc() - since).unsigned_abs());
-        count > self.max_attempts && lasted >= self.give_up_after
+        count > self.max_attempts && lasted(since) >= self.give_up_after
     }
 
     /// The wait before claiming a job again after attempts in a row ended without a checkpoint:
@@ -83,10 +82,14 @@ impl WorkerConfig {
     }
 }
 
-/// How long ago `since` was, for messages (`0s` for none).
+/// How long ago `since` was (zero for none).
+fn lasted(since: Option<OffsetDateTime>) -> Duration {
+    since.map_or(Duration::ZERO, |since| (OffsetDateTime::now_utc() - since).unsigned_abs())
+}
+
+/// How long ago `since` was, in whole seconds for messages (`0s` for none).
 pub(crate) fn since(since: Option<OffsetDateTime>) -> String {
-    let lasted = since.map_or(Duration::ZERO, |since| (OffsetDateTime::now_utc() - since).unsigned_abs());
-    humantime::format_duration(Duration::from_secs(lasted.as_secs())).to_string()
+    humantime::format_duration(Duration::from_secs(lasted(since).as_secs())).to_string()
 }
 
 /// Everything a worker needs; cheap to clone.

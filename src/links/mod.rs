@@ -10,13 +10,6 @@ use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-/// A new kid (`<label>-<8 hex>`, independent of the secret: kids are public) and 64 hex
-/// characters of secret (two v4 UUIDs: 244 random bits from the operating system's generator).
-fn random_key(label: &str) -> (String, String) {
-    let secret = format!("{}{}", Uuid::new_v4().simple(), Uuid::new_v4().simple());
-    (format!("{label}-{}", &Uuid::new_v4().simple().to_string()[..8]), secret)
-}
-
 /// Audience of link tokens; API tokens (`aud = "exportd"`) are not links and links are not API tokens.
 const AUDIENCE: &str = "exportd-link";
 
@@ -88,7 +81,10 @@ impl LinkKeys {
     /// The deployment's own key, kept in its database: made once by the first process that asks
     /// (concurrent first askers agree on one), the same for every process and every restart.
     pub async fn of_deployment(pool: &sqlx::PgPool) -> sqlx::Result<LinkKeys> {
-        let (kid, secret) = random_key("db");
+        // The kid is public, so it is drawn apart from the secret; the secret is two v4 UUIDs
+        // (244 random bits from the operating system's generator).
+        let kid = format!("db-{}", &Uuid::new_v4().simple().to_string()[..8]);
+        let secret = format!("{}{}", Uuid::new_v4().simple(), Uuid::new_v4().simple());
         let key = sqlx::query!(
             r#"UPDATE deployment SET link_kid = coalesce(link_kid, $1), link_secret = coalesce(link_secret, $2)
                RETURNING link_kid AS "kid!", link_secret AS "secret!""#,
