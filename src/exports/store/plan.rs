@@ -244,12 +244,14 @@ pub async fn progress(pool: &PgPool, job_id: Uuid) -> sqlx::Result<Progress> {
     .await
 }
 
-/// Whether a live worker is planning a full export right now: its shards will soon be free to
-/// help with (a draining worker waits for them instead of exiting).
+/// Whether a full export is still being planned: its shards will soon be free to help with,
+/// or the export itself to claim, so a draining worker waits instead of exiting. Whatever its
+/// lease: one handed back between shards (no lease for a moment) is claimed again at once, and
+/// a worker that looked while the lease was held must not leave the moment it is handed back.
 pub async fn being_planned(pool: &PgPool) -> sqlx::Result<bool> {
     sqlx::query_scalar!(
         r#"SELECT EXISTS (SELECT 1 FROM export_jobs WHERE state = 'RUNNING' AND mode = 'full'
-                          AND NOT plan_complete AND lease_expires_at >= now()) AS "planning!""#,
+                          AND NOT plan_complete) AS "planning!""#,
     )
     .fetch_one(pool)
     .await
