@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use exportd::config::Settings;
-use exportd::http::ConnectionLimits;
+use exportd::http::{ConnectionLimits, MetricsAccess};
 use exportd::server::ServeOptions;
 use exportd::tenants::Registry;
 use secrecy::SecretString;
@@ -43,9 +43,13 @@ enum Command {
         /// How often the cleaner expires exports and removes unneeded files.
         #[arg(long, env = "EXPORTD_CLEAN_EVERY", default_value = "1m", value_parser = humantime::parse_duration)]
         clean_every: Duration,
-        /// When set, `GET /metrics` requires `Authorization: Bearer <token>`.
+        /// `GET /metrics` requires `Authorization: Bearer <token>`. Without it (or
+        /// --metrics-public) the page is closed: it names every tenant.
         #[arg(long, env = "EXPORTD_METRICS_TOKEN", hide_env_values = true, value_parser = exportd::config::secret)]
         metrics_token: Option<SecretString>,
+        /// Opens `GET /metrics` to anyone who can reach the port (a scraper on a private network).
+        #[arg(long, env = "EXPORTD_METRICS_PUBLIC", default_value_t = false, conflicts_with = "metrics_token")]
+        metrics_public: bool,
         /// Open client connections at most (kept under RLIMIT_NOFILE minus a reserve); past it the
         /// connection silent the longest is closed.
         #[arg(long, env = "EXPORTD_MAX_CONNECTIONS", default_value_t = 4096)]
@@ -149,11 +153,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             link_ttl,
             clean_every,
             metrics_token,
+            metrics_public,
             max_connections,
             header_timeout,
         } => {
             let connections = ConnectionLimits { max_connections, header_read_timeout: header_timeout };
-            let options = ServeOptions { listen, workers, link_ttl, clean_every, metrics_token, connections };
+            let metrics = match (metrics_token, metrics_public) {
+                (Some(token), _) => MetricsAccess::Token(token),
+                (None, true) => MetricsAccess::Open,
+                (None, false) => MetricsAccess::Closed,
+            };
+            let options = ServeOptions { listen, workers, link_ttl, clean_every, metrics, connections };
             exportd::server::serve(&settings, options).await
         }
         Command::Worker { settings, workers, exit_when_idle } => {

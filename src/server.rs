@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use secrecy::{ExposeSecret, SecretString};
+use secrecy::ExposeSecret;
 use sqlx::PgPool;
 
 use tokio::sync::watch;
@@ -100,7 +100,7 @@ pub struct ServeOptions {
     pub workers: usize,
     pub link_ttl: Duration,
     pub clean_every: Duration,
-    pub metrics_token: Option<SecretString>,
+    pub metrics: http::MetricsAccess,
     pub connections: http::ConnectionLimits,
 }
 
@@ -119,7 +119,7 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     let deliverer = webhook_deliverer(settings, pool.clone(), registry.clone())?;
     let state = AppState {
         link_ttl: options.link_ttl,
-        metrics_token: options.metrics_token.clone(),
+        metrics: http::MetricsPage::new(options.metrics.clone()),
         webhook_retry_for: settings.webhooks.webhook_retry_for,
         ..AppState::new(pool.clone(), registry, deps.store.clone(), deps.keys.clone(), Clock::system())
     };

@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 
+use axum::Extension;
 use axum::body::Body;
 use axum::extract::{ConnectInfo, State};
 use axum::http::header::{
@@ -13,7 +14,6 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::{StreamExt, TryStreamExt};
 use serde::Deserialize;
-use tokio::sync::OwnedSemaphorePermit;
 use utoipa::IntoParams;
 use utoipa_axum::{router::OpenApiRouter, routes};
 use uuid::Uuid;
@@ -21,7 +21,9 @@ use uuid::Uuid;
 use super::error::{ApiError, ApiResult};
 use super::exports::export_id;
 use super::extract::{Path, Query, admit, caller_from_headers};
+use super::listener::ConnectionCloser;
 use super::range::{RangeAnswer, decide};
+use super::stall::SendTimeout;
 use super::state::AppState;
 use crate::audit::{self, AuditEvent};
 use crate::auth::Caller;
@@ -57,8 +59,10 @@ async fn download_file(
     method: Method,
     headers: HeaderMap,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    connection: Option<Extension<ConnectionCloser>>,
 ) -> ApiResult<Response> {
-    serve(&state, &id, Object::File, query.token.as_deref(), &method, &headers, peer).await
+    let client = Client { peer, connection: connection.map(|Extension(c)| c) };
+    serve(&state, &id, Object::File, query.token.as_deref(), &method, &headers, client).await
 }
 
 /// One shard file.
@@ -75,8 +79,10 @@ async fn download_shard(
     method: Method,
     headers: HeaderMap,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    connection: Option<Extension<ConnectionCloser>>,
 ) -> ApiResult<Response> {
-    serve(&state, &id, Object::Shard(n), query.token.as_deref(), &method, &headers, peer).await
+    let client = Client { peer, connection: connection.map(|Extension(c)| c) };
+    serve(&state, &id, Object::Shard(n), query.token.as_deref(), &method, &headers, client).await
 }
 
 /// Authorize, find the object, decide the range; then (GET) take a download slot, read the
@@ -88,7 +94,7 @@ async fn serve(
     token: Option<&str>,
     method: &Method,
     headers: &HeaderMap,
-    peer: SocketAddr,
+    client: Client,
 ) -> ApiResult<Response> {
     let caller = credential(state, id, object, token, headers)?;
     admit(state, &caller)?;
@@ -97,12 +103,20 @@ async fn serve(
     if method == Method::HEAD {
         return Ok(respond(&download, reply.answer, Body::empty()));
     }
-    let slot = state.limits.download_slot(&caller.tenant.id)?;
+    let slot = state.limits.download_slot(&caller)?;
     // The first bytes are read before anything is charged or answered, so a store that is down
     // gives a clean 503 rather than a cut-off body.
     let body = body(&state.store, &download, reply.answer, slot).await?;
-    charge(state, &caller, &download, &reply, peer).await?;
+    let body = Body::from_stream(SendTimeout::new(body, client.connection, state.download_send_timeout));
+    charge(state, &caller, &download, &reply, client.peer).await?;
     Ok(respond(&download, reply.answer, body))
+}
+
+/// Where a download goes: the client's address (for the audit log) and its connection (closed
+/// when the client stops reading).
+struct Client {
+    peer: SocketAddr,
+    connection: Option<ConnectionCloser>,
 }
 
 /// Who is downloading: the signed link's principal, or the bearer token's.
@@ -221,6 +235,8 @@ fn caller_from_link(state: &AppState, token: &str, id: &str, object: Object) -> 
     Ok(caller)
 }
 
+type BodyStream = futures_util::stream::BoxStream<'static, std::io::Result<bytes::Bytes>>;
+
 /// How long a download waits for the store's first bytes before answering 503.
 const FIRST_BYTE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -230,11 +246,11 @@ async fn body(
     store: &ArtifactStore,
     download: &Download,
     answer: RangeAnswer,
-    slot: OwnedSemaphorePermit,
-) -> Result<Body, StoreError> {
+    slot: quota::Slot,
+) -> Result<BodyStream, StoreError> {
     let (start, end) = match answer {
-        RangeAnswer::Unsatisfiable => return Ok(Body::empty()),
-        _ if download.layout.is_empty() => return Ok(Body::empty()),
+        RangeAnswer::Unsatisfiable => return Ok(futures_util::stream::empty().boxed()),
+        _ if download.layout.is_empty() => return Ok(futures_util::stream::empty().boxed()),
         RangeAnswer::Full => (0, download.layout.len() - 1),
         RangeAnswer::Partial { start, end } => (start, end),
     };
@@ -251,7 +267,7 @@ async fn body(
             std::io::Error::other(e)
         })
     });
-    Ok(Body::from_stream(futures_util::stream::iter(first.map(Ok)).chain(rest)))
+    Ok(futures_util::stream::iter(first.map(Ok)).chain(rest).boxed())
 }
 
 /// The response for `answer` with `body`.

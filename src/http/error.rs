@@ -184,13 +184,26 @@ impl From<BytesRejection> for ApiError {
 
 impl From<PathRejection> for ApiError {
     fn from(rejection: PathRejection) -> Self {
-        ApiError::new(StatusCode::BAD_REQUEST, "invalid-path", rejection.body_text())
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid-path", without_input(&rejection.body_text()))
     }
 }
 
 impl From<QueryRejection> for ApiError {
     fn from(rejection: QueryRejection) -> Self {
-        ApiError::new(StatusCode::BAD_REQUEST, "invalid-query", rejection.body_text())
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid-query", without_input(&rejection.body_text()))
+    }
+}
+
+/// An extractor's message without the value the client sent ("Cannot parse `limit` with value
+/// `-1` to a `u32`" says which parameter and what it must be, not what it was): a problem never
+/// repeats input.
+fn without_input(message: &str) -> String {
+    const MARK: &str = " with value `";
+    let Some(at) = message.find(MARK) else { return message.to_owned() };
+    let rest = &message[at + MARK.len()..];
+    match rest.find('`') {
+        Some(end) => format!("{}{}", &message[..at], &rest[end + 1..]),
+        None => message[..at].to_owned(),
     }
 }
 
@@ -209,4 +222,14 @@ pub async fn method_not_allowed_as_problem(response: axum::response::Response) -
     }
     let detail = "this resource does not answer this method; the Allow header lists those it does";
     ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method-not-allowed", detail).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn extractor_messages_lose_the_value_sent() {
+        let text = "Cannot parse `limit` with value `<script>` to a `u32`";
+        assert_eq!(super::without_input(text), "Cannot parse `limit` to a `u32`");
+        assert_eq!(super::without_input("no value here"), "no value here");
+    }
 }

@@ -224,7 +224,7 @@ async fn estimate_export(
     caller: Caller,
     JsonBody(request): JsonBody<ExportRequest>,
 ) -> ApiResult<axum::Json<Estimate>> {
-    let _slot = state.limits.estimate_slot(&caller.tenant.id)?;
+    let _slot = state.limits.estimate_slot(&caller)?;
     let cluster = crate::feeds::system_identifier(&state.pool).await?;
     let feed = FeedContext { keys: &state.links, cluster: &cluster, now: state.clock.now() };
     Ok(axum::Json(exports::estimate::estimate(&state.pool, &caller, &request, &feed).await?))
@@ -318,7 +318,7 @@ async fn list_exports(
         .as_deref()
         .map(|s| {
             ExportState::parse(s)
-                .ok_or_else(|| ApiError::invalid_field("state", format!("`{s}` is not an export state")))
+                .ok_or_else(|| ApiError::invalid_field("state", format!("must be one of {}", export_state_names())))
         })
         .transpose()?;
     let limit = params.limit.unwrap_or(DEFAULT_PAGE);
@@ -453,4 +453,9 @@ impl From<ExportError> for ApiError {
             ExportError::Database(e) => e.into(),
         }
     }
+}
+
+/// The states a list may be filtered by, as the problem detail names them.
+fn export_state_names() -> String {
+    ExportState::ALL.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
 }

@@ -4,14 +4,17 @@
 //! silent TCP connections exhaust the process's file descriptors (and starve the workers and the
 //! database pool of them). Here a connection must send a complete request head within
 //! `header_read_timeout` of connecting or of its previous response (which also bounds idle
-//! keep-alive), and at most `max_connections` are open: past that, the connection that has
-//! waited longest without sending a byte is closed to admit the new one, so silent connections
-//! can never lock out real clients.
+//! keep-alive), and at most `max_connections` are open: past that, the connection idle longest
+//! — one with no request in progress: silent, between requests, or still sending a request head
+//! however slowly — is closed to admit the new one, so neither silent nor slowloris connections
+//! can lock out real clients.
 
 use std::collections::BTreeMap;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::ConnectInfo;
@@ -19,8 +22,9 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{Notify, watch};
 use tower::ServiceExt;
 
 /// Descriptors kept for everything but client connections: database pools, shard and download
@@ -62,32 +66,49 @@ impl ConnectionLimits {
     }
 }
 
-/// Connections open, and those that have not sent their first byte yet (oldest first), each
-/// with the means to close it.
+/// Connections open, and those idle — waiting for (the rest of) a request head, oldest first —
+/// each with the means to close it.
 #[derive(Default)]
 struct Connections {
     open: AtomicUsize,
-    next_id: AtomicU64,
-    silent: Mutex<BTreeMap<u64, Silent>>,
+    next_turn: AtomicU64,
+    idle: Mutex<BTreeMap<u64, Arc<Connection>>>,
 }
 
-struct Silent {
-    close: oneshot::Sender<()>,
-    counted: Arc<AtomicBool>,
+/// One client connection as the accept loop tracks it.
+struct Connection {
+    /// Told to drop the connection (evicted, or its download stalled).
+    close: Notify,
+    /// Holds one of `Connections::open` until released.
+    counted: AtomicBool,
+    /// Its place in `Connections::idle` while idle (changed under that lock only).
+    turn: AtomicU64,
+    opened: Instant,
+    /// When the socket last took bytes of a response (milliseconds after `opened`).
+    wrote_at_ms: AtomicU64,
 }
+
+const NOT_IDLE: u64 = u64::MAX;
 
 impl Connections {
-    /// Makes room for one more connection: closes the oldest silent one when full (its slot is
+    /// Makes room for one more connection: closes the one idle longest when full (its slot is
     /// freed at once). `false` when every open connection is busy with a request.
     fn make_room(&self, max: usize) -> bool {
         if self.open.load(Ordering::Acquire) < max {
             return true;
         }
-        let oldest = self.silent.lock().expect("not poisoned").pop_first();
+        let oldest = {
+            let mut idle = self.idle.lock().expect("not poisoned");
+            let oldest = idle.pop_first().map(|(_, connection)| connection);
+            if let Some(connection) = &oldest {
+                connection.turn.store(NOT_IDLE, Ordering::Relaxed);
+            }
+            oldest
+        };
         match oldest {
-            Some((_, silent)) => {
-                self.release(&silent.counted);
-                let _ = silent.close.send(());
+            Some(connection) => {
+                self.release(&connection);
+                connection.close.notify_one();
                 metrics::counter!("exportd_connections_evicted_total").increment(1);
                 true
             }
@@ -96,29 +117,128 @@ impl Connections {
     }
 
     /// Frees a connection's slot, once.
-    fn release(&self, counted: &AtomicBool) {
-        if counted.swap(false, Ordering::AcqRel) {
+    fn release(&self, connection: &Connection) {
+        if connection.counted.swap(false, Ordering::AcqRel) {
             self.open.fetch_sub(1, Ordering::AcqRel);
         }
     }
 
-    /// The connection sent its first byte: no longer evictable. `false` if it was evicted first.
-    fn started(&self, id: u64) -> bool {
-        self.silent.lock().expect("not poisoned").remove(&id).is_some()
+    /// The connection waits for a request head (again): it may be evicted, oldest first.
+    fn idle(&self, connection: &Arc<Connection>) {
+        let mut idle = self.idle.lock().expect("not poisoned");
+        if !connection.counted.load(Ordering::Acquire) {
+            return; // evicted or closed already
+        }
+        let previous = connection.turn.load(Ordering::Relaxed);
+        if previous != NOT_IDLE {
+            idle.remove(&previous);
+        }
+        let turn = self.next_turn.fetch_add(1, Ordering::Relaxed);
+        connection.turn.store(turn, Ordering::Relaxed);
+        idle.insert(turn, connection.clone());
+    }
+
+    /// A request head arrived: the connection is busy until its response has been sent.
+    fn busy(&self, connection: &Connection) {
+        let mut idle = self.idle.lock().expect("not poisoned");
+        let turn = connection.turn.swap(NOT_IDLE, Ordering::Relaxed);
+        if turn != NOT_IDLE {
+            idle.remove(&turn);
+        }
     }
 }
 
 /// A connection's slot, freed when dropped (unless an eviction freed it already).
 struct Open {
     connections: Arc<Connections>,
-    id: u64,
-    counted: Arc<AtomicBool>,
+    connection: Arc<Connection>,
 }
 
 impl Drop for Open {
     fn drop(&mut self) {
-        self.connections.silent.lock().expect("not poisoned").remove(&self.id);
-        self.connections.release(&self.counted);
+        self.connections.busy(&self.connection);
+        self.connections.release(&self.connection);
+    }
+}
+
+/// The connection a request came on (a request extension): how long since its client last
+/// took bytes, and the means to close it — for a download whose client stopped reading, so
+/// that it stops holding a slot.
+#[derive(Clone)]
+pub struct ConnectionCloser(Arc<Connection>);
+
+impl ConnectionCloser {
+    pub fn close(&self) {
+        self.0.close.notify_one();
+    }
+
+    /// Time since the socket last accepted response bytes (or since the connection opened).
+    pub fn since_client_took_bytes(&self) -> Duration {
+        let wrote = Duration::from_millis(self.0.wrote_at_ms.load(Ordering::Relaxed));
+        self.0.opened.elapsed().saturating_sub(wrote)
+    }
+}
+
+/// The client socket, noting when it accepts bytes.
+struct Noting<S> {
+    socket: S,
+    connection: Arc<Connection>,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Noting<S> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.socket).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Noting<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        let written = Pin::new(&mut self.socket).poll_write(cx, buf);
+        self.noted(&written);
+        written
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let written = Pin::new(&mut self.socket).poll_write_vectored(cx, bufs);
+        self.noted(&written);
+        written
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.socket.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.socket).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.socket).poll_shutdown(cx)
+    }
+}
+
+impl<S> Noting<S> {
+    fn noted(&self, written: &Poll<std::io::Result<usize>>) {
+        if matches!(written, Poll::Ready(Ok(n)) if *n > 0) {
+            let at = self.connection.opened.elapsed().as_millis() as u64;
+            self.connection.wrote_at_ms.store(at, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Marks the connection idle again when dropped: its response body has been sent (or dropped).
+struct IdleAgain {
+    connections: Arc<Connections>,
+    connection: Arc<Connection>,
+}
+
+impl Drop for IdleAgain {
+    fn drop(&mut self) {
+        self.connections.idle(&self.connection);
     }
 }
 
@@ -154,16 +274,16 @@ pub async fn serve(
             continue; // dropping the stream closes it
         }
         let _ = stream.set_nodelay(true);
-        let id = connections.next_id.fetch_add(1, Ordering::Relaxed);
-        let (close_tx, close) = oneshot::channel();
-        let counted = Arc::new(AtomicBool::new(true));
+        let connection = Arc::new(Connection {
+            close: Notify::new(),
+            counted: AtomicBool::new(true),
+            turn: AtomicU64::new(NOT_IDLE),
+            opened: Instant::now(),
+            wrote_at_ms: AtomicU64::new(0),
+        });
         connections.open.fetch_add(1, Ordering::AcqRel);
-        connections
-            .silent
-            .lock()
-            .expect("not poisoned")
-            .insert(id, Silent { close: close_tx, counted: counted.clone() });
-        let open = Open { connections: connections.clone(), id, counted };
+        connections.idle(&connection);
+        let open = Open { connections: connections.clone(), connection };
         let watcher = graceful.watcher();
         let (app, mut stopping) = (app.clone(), stopping.clone());
         tokio::spawn(async move {
@@ -171,23 +291,40 @@ pub async fn serve(
             let mut byte = [0u8; 1];
             let first_byte = tokio::select! {
                 peeked = stream.peek(&mut byte) => matches!(peeked, Ok(n) if n > 0),
-                _ = close => false,
+                () = open.connection.close.notified() => false,
                 () = tokio::time::sleep(limits.header_read_timeout) => false,
                 _ = stopping.wait_for(|stop| *stop) => false,
             };
-            if !first_byte || !open.connections.started(open.id) {
+            if !first_byte {
                 return;
             }
-            let service =
-                TowerToHyperService::new(app.map_request(move |mut request: axum::http::Request<Incoming>| {
+            let socket = Noting { socket: stream, connection: open.connection.clone() };
+            let (requests, responses) = (open.connections.clone(), open.connections.clone());
+            let (busy, idle_again) = (open.connection.clone(), open.connection.clone());
+            let app = app
+                .map_request(move |mut request: axum::http::Request<Incoming>| {
+                    requests.busy(&busy);
                     request.extensions_mut().insert(ConnectInfo(peer));
+                    request.extensions_mut().insert(ConnectionCloser(busy.clone()));
                     request
-                }));
+                })
+                .map_response(move |response: axum::response::Response| {
+                    let guard = IdleAgain { connections: responses.clone(), connection: idle_again.clone() };
+                    response.map(|body| {
+                        axum::body::Body::new(http_body_util::BodyExt::map_frame(body, move |frame| {
+                            let _sent_while = &guard;
+                            frame
+                        }))
+                    })
+                });
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_read_timeout)
-                .serve_connection(TokioIo::new(stream), service);
-            let _ = watcher.watch(connection).await;
+                .serve_connection(TokioIo::new(socket), TowerToHyperService::new(app));
+            tokio::select! {
+                _ = watcher.watch(connection) => {}
+                () = open.connection.close.notified() => {}
+            }
             drop(open);
         });
     }

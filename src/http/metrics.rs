@@ -1,31 +1,107 @@
-//! `GET /metrics`: Prometheus text format. Export counts and oldest ages per tenant and state are
-//! read from PostgreSQL at scrape time (every process reports the same, shared truth); counters
-//! and histograms are this process's. Optionally guarded by `EXPORTD_METRICS_TOKEN`.
+//! `GET /metrics`: Prometheus text format. Export counts and oldest ages per tenant and state,
+//! and the webhook backlog, are read from PostgreSQL (every process reports the same, shared
+//! truth) — at most once per `max_age` and one refresh at a time, whatever the number of
+//! scrapers, each under a statement timeout; a scrape meanwhile gets the last figures.
+//! Counters and histograms are this process's. The page names every tenant, so it is closed
+//! unless the operator sets `EXPORTD_METRICS_TOKEN` (or opens it with `EXPORTD_METRICS_PUBLIC`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
-use secrecy::ExposeSecret;
+use secrecy::{ExposeSecret, SecretString};
+use sqlx::PgPool;
 use subtle::ConstantTimeEq;
 use time::OffsetDateTime;
 
 use super::error::{ApiError, ApiResult};
 use super::state::AppState;
 use crate::exports::ExportState;
+use crate::tenants::Registry;
 
-pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<impl IntoResponse> {
-    if let Some(expected) = &state.metrics_token {
-        let given = super::extract::bearer_token_of(&headers);
-        let expected = expected.expose_secret().as_bytes();
-        let matches = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(expected)));
-        if !matches {
-            return Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "give the metrics token"));
+/// Who may scrape.
+#[derive(Debug, Clone)]
+pub enum MetricsAccess {
+    /// Nobody: the default, since the page lists every tenant.
+    Closed,
+    /// Whoever presents this bearer token (compared in constant time).
+    Token(SecretString),
+    /// Anybody: opened on purpose (`EXPORTD_METRICS_PUBLIC=true`).
+    Open,
+}
+
+/// Access, and the database-backed gauges' last refresh.
+pub struct MetricsPage {
+    pub access: MetricsAccess,
+    /// Figures at most this old are served without asking the database again.
+    pub max_age: Duration,
+    refreshed: tokio::sync::Mutex<Option<Instant>>,
+}
+
+/// Default of [`MetricsPage::max_age`].
+pub const GAUGES_MAX_AGE: Duration = Duration::from_secs(5);
+
+impl MetricsPage {
+    pub fn new(access: MetricsAccess) -> Arc<MetricsPage> {
+        MetricsPage::with_max_age(access, GAUGES_MAX_AGE)
+    }
+
+    pub fn with_max_age(access: MetricsAccess, max_age: Duration) -> Arc<MetricsPage> {
+        Arc::new(MetricsPage { access, max_age, refreshed: tokio::sync::Mutex::new(None) })
+    }
+
+    fn admit(&self, headers: &HeaderMap) -> ApiResult<()> {
+        match &self.access {
+            MetricsAccess::Open => Ok(()),
+            MetricsAccess::Closed => Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "metrics-closed",
+                "metrics are closed on this server: the operator sets EXPORTD_METRICS_TOKEN (or EXPORTD_METRICS_PUBLIC=true)",
+            )),
+            MetricsAccess::Token(expected) => {
+                let given = super::extract::bearer_token_of(headers);
+                let expected = expected.expose_secret().as_bytes();
+                if given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(expected))) {
+                    Ok(())
+                } else {
+                    Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "give the metrics token"))
+                }
+            }
         }
     }
-    let rows = crate::exports::store::facts::by_tenant_and_state(&state.pool).await?;
+
+    /// Refreshes the gauges if they are older than `max_age` and nobody else is refreshing.
+    async fn refresh(&self, pool: &PgPool, registry: &Registry) {
+        let Ok(mut refreshed) = self.refreshed.try_lock() else { return };
+        if refreshed.is_some_and(|at| at.elapsed() < self.max_age) {
+            return;
+        }
+        match tokio::time::timeout(REFRESH_PATIENCE, set_gauges(pool, registry)).await {
+            Ok(Ok(())) => *refreshed = Some(Instant::now()),
+            Ok(Err(e)) => tracing::warn!(error = %e, "metrics: could not read the export gauges"),
+            Err(_) => tracing::warn!("metrics: reading the export gauges took too long"),
+        }
+    }
+}
+
+/// A refresh that takes longer is abandoned; the scrape gets the previous figures.
+const REFRESH_PATIENCE: Duration = Duration::from_secs(2);
+
+pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<impl IntoResponse> {
+    state.metrics.admit(&headers)?;
+    state.metrics.refresh(&state.pool, &state.registry).await;
+    let handle = crate::telemetry::prometheus();
+    handle.run_upkeep();
+    Ok(([(CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()))
+}
+
+async fn set_gauges(pool: &PgPool, registry: &Registry) -> sqlx::Result<()> {
+    let rows = crate::exports::store::facts::by_tenant_and_state(pool).await?;
     let now = OffsetDateTime::now_utc();
-    for tenant in state.registry.tenants() {
+    for tenant in registry.tenants() {
         for export_state in ExportState::ALL {
             let row = rows.iter().find(|r| r.tenant == tenant.id.as_str() && r.state == export_state);
             let labels = [("tenant", tenant.id.to_string()), ("state", export_state.as_str().to_owned())];
@@ -36,11 +112,9 @@ pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> ApiRe
             }
         }
     }
-    let (pending, oldest) = crate::webhooks::outbox::pending(&state.pool).await?;
+    let (pending, oldest) = crate::webhooks::outbox::pending(pool).await?;
     metrics::gauge!("exportd_webhook_deliveries_pending").set(pending as f64);
     let oldest_age = oldest.map_or(0.0, |at| (now - at).as_seconds_f64().max(0.0));
     metrics::gauge!("exportd_webhook_oldest_pending_seconds").set(oldest_age);
-    let handle = crate::telemetry::prometheus();
-    handle.run_upkeep();
-    Ok(([(CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()))
+    Ok(())
 }

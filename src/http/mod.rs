@@ -14,6 +14,7 @@ mod openapi;
 mod range;
 mod records;
 mod session;
+mod stall;
 mod state;
 mod tenant_slots;
 mod usage;
@@ -34,7 +35,8 @@ use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
 pub use error::{ApiError, ApiResult};
-pub use listener::{ConnectionLimits, serve};
+pub use listener::{ConnectionCloser, ConnectionLimits, serve};
+pub use metrics::{MetricsAccess, MetricsPage};
 pub use state::AppState;
 
 /// Hard cap on request bodies (an ingest batch of 10 000 records fits comfortably).

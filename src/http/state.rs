@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
+use super::metrics::{MetricsAccess, MetricsPage};
 use crate::clock::Clock;
 use crate::links::LinkKeys;
 use crate::quota::RateLimits;
@@ -21,11 +22,16 @@ pub struct AppState {
     /// Lifetime of the signed download links in export status responses.
     pub link_ttl: Duration,
     pub limits: Arc<RateLimits>,
-    /// When set, `GET /metrics` requires `Authorization: Bearer <token>`.
-    pub metrics_token: Option<secrecy::SecretString>,
+    /// Who may read `GET /metrics`, and its cached gauges.
+    pub metrics: Arc<MetricsPage>,
     /// A delivery retried by hand is tried again for this long (EXPORTD_WEBHOOK_RETRY_FOR).
     pub webhook_retry_for: Duration,
+    /// A download whose client takes no bytes for this long is closed.
+    pub download_send_timeout: Duration,
 }
+
+/// Default of `download_send_timeout`.
+pub const DEFAULT_DOWNLOAD_SEND_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Default of EXPORTD_WEBHOOK_RETRY_FOR.
 pub const DEFAULT_WEBHOOK_RETRY_FOR: Duration = Duration::from_secs(24 * 3600);
@@ -35,7 +41,7 @@ pub const DEFAULT_LINK_TTL: Duration = Duration::from_secs(300);
 
 impl AppState {
     /// The state `serve` and the tests run the API with: fresh in-process limits for the
-    /// registry's tenants, links valid for [`DEFAULT_LINK_TTL`], `/metrics` open.
+    /// registry's tenants, links valid for [`DEFAULT_LINK_TTL`], `/metrics` closed.
     pub fn new(
         pool: PgPool,
         registry: Arc<Registry>,
@@ -52,8 +58,9 @@ impl AppState {
             clock,
             link_ttl: DEFAULT_LINK_TTL,
             limits,
-            metrics_token: None,
+            metrics: MetricsPage::new(MetricsAccess::Closed),
             webhook_retry_for: DEFAULT_WEBHOOK_RETRY_FOR,
+            download_send_timeout: DEFAULT_DOWNLOAD_SEND_TIMEOUT,
         }
     }
 }

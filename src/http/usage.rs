@@ -86,8 +86,9 @@ async fn usage_history(
     }
     let granularity = match params.granularity.as_deref() {
         None => Granularity::Day,
-        Some(text) => Granularity::parse(text)
-            .ok_or_else(|| ApiError::invalid_field("granularity", format!("`{text}` is neither hour nor day")))?,
+        Some(text) => {
+            Granularity::parse(text).ok_or_else(|| ApiError::invalid_field("granularity", "must be hour or day"))?
+        }
     };
     let (step, max_buckets, unit) = match granularity {
         Granularity::Hour => (granularity.step(), 744, "hours"),

@@ -7,12 +7,14 @@ mod rate;
 pub mod refusals;
 mod rejection;
 mod scan;
+mod shares;
 
 pub use egress::{admit_download, egress_today};
 pub use rate::{RateLimits, run_housekeeping};
 pub use refusals::{RefusalKind, Refusals};
 pub use rejection::Rejection;
 pub use scan::ScanLimits;
+pub use shares::{Holder, SharedSlots, Slot};
 
 /// Locks the tenant's usage row (creating it) for the rest of the transaction: every quota
 /// decision of one tenant (queued exports, stored bytes, egress) then counts after the previous.

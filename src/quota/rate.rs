@@ -11,15 +11,17 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use super::refusals::Refusals;
+use super::rejection::Rejection;
+use super::shares::{Holder, SharedSlots, Slot};
+use crate::auth::Caller;
+use crate::tenants::{Registry, TenantId};
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use sqlx::PgPool;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::refusals::Refusals;
-use super::rejection::Rejection;
-use crate::auth::Caller;
-use crate::tenants::{Registry, TenantId};
+/// Estimates' censuses running at once per tenant (one per principal, see [`SharedSlots`]).
+const ESTIMATES_PER_TENANT: u32 = 2;
 
 type ApiBuckets = HashMap<TenantId, DefaultKeyedRateLimiter<String>>;
 
@@ -32,10 +34,10 @@ pub struct RateLimits {
     share: AtomicU32,
     /// Every refusal of this process, of any kind, until flushed.
     pub refusals: Refusals,
-    downloads: HashMap<TenantId, Arc<Semaphore>>,
-    requests: HashMap<TenantId, Arc<Semaphore>>,
-    /// One estimate's census at a time per tenant.
-    estimates: HashMap<TenantId, Arc<Semaphore>>,
+    downloads: HashMap<TenantId, Arc<SharedSlots>>,
+    requests: HashMap<TenantId, Arc<SharedSlots>>,
+    /// One estimate's census at a time per principal, two per tenant.
+    estimates: HashMap<TenantId, Arc<SharedSlots>>,
     clock: DefaultClock,
 }
 
@@ -44,15 +46,12 @@ impl RateLimits {
         let api_quotas: HashMap<TenantId, (u32, u32)> =
             registry.tenants().map(|t| (t.id.clone(), (t.quota.api_requests_per_second, t.quota.api_burst))).collect();
         let api = RwLock::new(Arc::new(api_buckets(&api_quotas, 1)));
-        let downloads = registry
-            .tenants()
-            .map(|t| (t.id.clone(), Arc::new(Semaphore::new(t.quota.max_concurrent_downloads as usize))))
-            .collect();
-        let requests = registry
-            .tenants()
-            .map(|t| (t.id.clone(), Arc::new(Semaphore::new(t.quota.max_concurrent_requests as usize))))
-            .collect();
-        let estimates = registry.tenants().map(|t| (t.id.clone(), Arc::new(Semaphore::new(1)))).collect();
+        let slots = |capacity: fn(&crate::tenants::Tenant) -> u32| {
+            registry.tenants().map(|t| (t.id.clone(), SharedSlots::new(capacity(t)))).collect()
+        };
+        let downloads = slots(|t| t.quota.max_concurrent_downloads);
+        let requests = slots(|t| t.quota.max_concurrent_requests);
+        let estimates = slots(|_| ESTIMATES_PER_TENANT);
         RateLimits {
             api,
             api_quotas,
@@ -88,20 +87,21 @@ impl RateLimits {
         rejection
     }
 
-    /// One permit of `slots`, or the (counted) `rejection` when none is free.
+    /// One of the tenant's `slots` for the caller's share, or the (counted) `rejection` when
+    /// none is free for it.
     fn slot(
         &self,
-        slots: &HashMap<TenantId, Arc<Semaphore>>,
-        tenant: &TenantId,
+        slots: &HashMap<TenantId, Arc<SharedSlots>>,
+        caller: &Caller,
         rejection: Rejection,
-    ) -> Result<OwnedSemaphorePermit, Rejection> {
-        let permit = slots.get(tenant).and_then(|s| s.clone().try_acquire_owned().ok());
-        permit.ok_or_else(|| self.refuse(tenant, rejection))
+    ) -> Result<Slot, Rejection> {
+        let slot = slots.get(&caller.tenant.id).and_then(|s| s.try_take(Holder::of(caller)));
+        slot.ok_or_else(|| self.refuse(&caller.tenant.id, rejection))
     }
 
-    /// A slot for one streaming download of the tenant, held until the body ends.
-    pub fn download_slot(&self, tenant: &TenantId) -> Result<OwnedSemaphorePermit, Rejection> {
-        self.slot(&self.downloads, tenant, Rejection::Downloads)
+    /// A slot for one streaming download of the caller, held until the body ends.
+    pub fn download_slot(&self, caller: &Caller) -> Result<Slot, Rejection> {
+        self.slot(&self.downloads, caller, Rejection::Downloads)
     }
 
     /// Takes one request from the caller's bucket (partners each have their own, admins share one).
@@ -115,9 +115,9 @@ impl RateLimits {
         })
     }
 
-    /// A slot for one request of the tenant in progress (`max_concurrent_requests`).
-    pub fn request_slot(&self, tenant: &TenantId) -> Result<OwnedSemaphorePermit, Rejection> {
-        self.slot(&self.requests, tenant, Rejection::Concurrency)
+    /// A slot for one request of the caller in progress (`max_concurrent_requests`).
+    pub fn request_slot(&self, caller: &Caller) -> Result<Slot, Rejection> {
+        self.slot(&self.requests, caller, Rejection::Concurrency)
     }
 
     /// The tenants these limits are for.
@@ -125,10 +125,11 @@ impl RateLimits {
         self.requests.keys().map(TenantId::as_str).collect()
     }
 
-    /// The tenant's one slot for an estimate (each reads up to a few MiB of the record store),
-    /// so a tenant's estimates cost at most one census at a time.
-    pub fn estimate_slot(&self, tenant: &TenantId) -> Result<OwnedSemaphorePermit, Rejection> {
-        self.slot(&self.estimates, tenant, Rejection::EstimateInProgress)
+    /// The caller's one slot for an estimate (each reads up to a few MiB of the record store):
+    /// a principal's estimates cost one census at a time, a tenant's at most two, and a
+    /// partner's never take the admins' turn.
+    pub fn estimate_slot(&self, caller: &Caller) -> Result<Slot, Rejection> {
+        self.slot(&self.estimates, caller, Rejection::EstimateInProgress)
     }
 
     /// Forgets idle keys (call periodically: the key maps would otherwise only grow).
@@ -189,12 +190,18 @@ mod tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tenants");
         let registry = Registry::load(&dir).unwrap();
         let limits = RateLimits::new(&registry);
-        let acme = TenantId::parse("acme").unwrap();
-        let max = registry.get("acme").unwrap().quota.max_concurrent_downloads as usize;
-        let held: Vec<_> = (0..max).map(|_| limits.download_slot(&acme).expect("a slot")).collect();
-        assert_eq!(limits.download_slot(&acme).err(), Some(Rejection::Downloads), "one more is refused");
-        assert_eq!(limits.refusals.unflushed(&acme, super::super::RefusalKind::Downloads), 1, "and counted");
+        let tenant = registry.get("acme").unwrap().clone();
+        let caller = |id: &str| Caller { tenant: tenant.clone(), principal: tenant.principal(id).unwrap().clone() };
+        let (alice, zen, crm) = (caller("alice"), caller("zenpartner"), caller("crmsync"));
+        let max = tenant.quota.max_concurrent_downloads as usize;
+        let mut held: Vec<_> = std::iter::from_fn(|| limits.download_slot(&zen).ok()).collect();
+        assert_eq!(held.len(), max / 2, "one partner holds half");
+        held.extend(std::iter::from_fn(|| limits.download_slot(&crm).ok()));
+        held.extend(std::iter::from_fn(|| limits.download_slot(&alice).ok()));
+        assert_eq!(held.len(), max, "the others share the rest");
+        assert_eq!(limits.download_slot(&alice).err(), Some(Rejection::Downloads), "one more is refused");
+        assert_eq!(limits.refusals.unflushed(&tenant.id, super::super::RefusalKind::Downloads), 4, "and counted");
         drop(held);
-        assert!(limits.download_slot(&acme).is_ok(), "slots return when downloads end");
+        assert!(limits.download_slot(&zen).is_ok(), "slots return when downloads end");
     }
 }

@@ -238,3 +238,124 @@ async fn a_hostile_partner_does_not_hurt_another_tenant(pool: PgPool) {
     assert_eq!(delivered, (1..=60).sum::<usize>() + 60 * 3000);
     assert!(kept <= 3_060 + 60, "{kept} keys stored for 3 060 changes");
 }
+
+/// `/healthz` from a fresh connection for `during`: latencies and failures.
+async fn probes(base: &str, during: Duration) -> (Vec<Duration>, usize) {
+    let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let (mut latencies, mut failures) = (Vec::new(), 0);
+    let start = Instant::now();
+    while start.elapsed() < during {
+        let sent = Instant::now();
+        match client.get(format!("{base}/healthz")).send().await {
+            Ok(r) if r.status() == 200 => latencies.push(sent.elapsed()),
+            _ => failures += 1,
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    (latencies, failures)
+}
+
+#[sqlx::test(migrations = "./migrations")]
+#[ignore = "an abuse run of about a minute: scripts/abuse runs it"]
+async fn slow_clients_cost_nothing_shared(pool: PgPool) {
+    use tokio::io::AsyncWriteExt;
+    let _ = rlimit::increase_nofile_limit(u64::MAX);
+    let app = TestApp::spawn(pool).await;
+    let server = Server::start_with(&app, "1", None, |c| {
+        c.env("EXPORTD_METRICS_TOKEN", "scrape").env("EXPORTD_MAX_CONNECTIONS", "2000");
+    })
+    .await;
+    let (base, pid) = (server.base.clone(), server.child.id());
+    let address = base.trim_start_matches("http://").to_owned();
+    let other = app.token("globex", "hank");
+    let (mut quiet, _) = well_behaved(&base, &other, Duration::from_secs(4)).await;
+    let (mut quiet_health, _) = probes(&base, Duration::from_secs(4)).await;
+
+    // 1. Slowloris: 3 000 sockets (more than the 2 000 admitted), each with part of a request
+    // head and one more header line every 3 s, reconnecting when closed.
+    reset_peak_rss(pid);
+    let stop = Instant::now() + Duration::from_secs(15);
+    let slow: Vec<_> = (0..3_000)
+        .map(|_| {
+            let address = address.clone();
+            tokio::spawn(async move {
+                let mut reconnects = 0u32;
+                while Instant::now() < stop {
+                    let Ok(mut stream) = tokio::net::TcpStream::connect(&address).await else {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    };
+                    let mut open = stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n").await.is_ok();
+                    while open && Instant::now() < stop {
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                        open = stream.write_all(b"X-Slow: 1\r\n").await.is_ok();
+                    }
+                    reconnects += 1;
+                }
+                reconnects
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let ((mut health, health_failures), (mut loaded, errors)) =
+        tokio::join!(probes(&base, Duration::from_secs(10)), well_behaved(&base, &other, Duration::from_secs(10)));
+    let mut reconnects = 0;
+    for task in slow {
+        reconnects += task.await.unwrap();
+    }
+    println!(
+        "slowloris (3 000 partial heads, 2 000 admitted): /healthz p99 {:.1} ms loaded vs {:.1} ms, {health_failures} \
+         failed; other tenant p99 {:.1} ms vs {:.1} ms, {errors} errors; {reconnects} reconnects; peak RSS {:.0} MiB",
+        p99(&mut health).as_secs_f64() * 1000.0,
+        p99(&mut quiet_health).as_secs_f64() * 1000.0,
+        p99(&mut loaded).as_secs_f64() * 1000.0,
+        p99(&mut quiet).as_secs_f64() * 1000.0,
+        peak_rss_mib(pid)
+    );
+    assert_eq!(health_failures, 0);
+    assert_eq!(errors, 0);
+
+    // 2. 32 connections scraping /metrics in a loop with a webhook backlog of 200 000 rows.
+    sqlx::query(
+        "WITH e AS (INSERT INTO webhook_events (tenant, type, data, routed_at)
+                    SELECT 'acme', 'export.cancelled', '{}', now() FROM generate_series(1, 200000) RETURNING id)
+         INSERT INTO webhook_deliveries (event_id, tenant, endpoint, body, give_up_at)
+         SELECT id, 'acme', 'gone', '{}', now() + interval '1 day' FROM e",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let (mut quiet, _) = well_behaved(&base, &other, Duration::from_secs(4)).await;
+    let stop = Instant::now() + Duration::from_secs(12);
+    let scrapers: Vec<_> = (0..32)
+        .map(|_| {
+            let base = base.clone();
+            tokio::spawn(async move {
+                let client = reqwest::Client::new();
+                let mut scrapes = 0u64;
+                while Instant::now() < stop {
+                    let r = client.get(format!("{base}/metrics")).bearer_auth("scrape").send().await;
+                    if r.is_ok_and(|r| r.status() == 200) {
+                        scrapes += 1;
+                    }
+                }
+                scrapes
+            })
+        })
+        .collect();
+    let (mut loaded, errors) = well_behaved(&base, &other, Duration::from_secs(10)).await;
+    let mut scrapes = 0;
+    for task in scrapers {
+        scrapes += task.await.unwrap();
+    }
+    let loaded_p99 = p99(&mut loaded);
+    println!(
+        "metrics scraping (32 connections, 200 000 pending deliveries): {scrapes} scrapes; other tenant p50 {:.1} ms, \
+         p99 {:.1} ms loaded vs {:.1} ms, {errors} errors",
+        loaded[loaded.len() / 2].as_secs_f64() * 1000.0,
+        loaded_p99.as_secs_f64() * 1000.0,
+        p99(&mut quiet).as_secs_f64() * 1000.0,
+    );
+    assert_eq!(errors, 0);
+    assert!(loaded_p99 <= (p99(&mut quiet) * 3).max(Duration::from_millis(15)));
+}

@@ -420,12 +420,7 @@ async fn a_tenants_slow_requests_hold_at_most_its_own_slots(pool: PgPool) {
     let base = app.sibling(one_slot).await;
     let admin = app.token("acme", "alice");
     // A host transaction holds key k1, so acme's ingest of k1 waits on it (a slow request).
-    let mut host = app.pool.begin().await.unwrap();
-    let host_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *host).await.unwrap();
-    sqlx::query("SELECT exportd_upsert('acme', 'tickets', 'k1', '{\"subject\": \"host\", \"status\": \"open\"}')")
-        .execute(&mut *host)
-        .await
-        .unwrap();
+    let (host, host_pid) = crate::common::hold_record(&app.pool, "k1").await;
     let (client, url, token) = (app.client.clone(), format!("{base}/v1/datasets/tickets/records"), admin.clone());
     let slow = tokio::spawn(async move {
         let body = serde_json::json!([{"key": "k1", "data": {"subject": "batch", "status": "open"}}]);

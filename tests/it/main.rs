@@ -17,6 +17,7 @@ mod parallel;
 mod quotas;
 mod record_store;
 mod restarts;
+mod slow_clients;
 mod storage;
 mod tenant_config;
 mod webhooks;

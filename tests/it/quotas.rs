@@ -304,9 +304,15 @@ async fn a_worker_replaced_mid_job_does_not_double_count(pool: PgPool) {
 }
 
 #[sqlx::test(migrations = "./migrations")]
-async fn a_metrics_token_guards_the_metrics(pool: PgPool) {
+async fn metrics_are_closed_unless_opened_and_a_token_guards_them(pool: PgPool) {
+    use exportd::http::{MetricsAccess, MetricsPage};
     let app = TestApp::spawn(pool).await;
-    let base = app.sibling_with(app.registry.clone(), |s| s.metrics_token = Some("scrape-secret".into())).await;
+    let closed = app.sibling(app.registry.clone()).await;
+    let refused = app.client.get(format!("{closed}/metrics")).send().await.unwrap();
+    assert_eq!(refused.status(), 403, "closed by default: the page names every tenant");
+    assert_eq!(problem(refused).await["code"], "metrics-closed");
+    let guarded = MetricsAccess::Token("scrape-secret".into());
+    let base = app.sibling_with(app.registry.clone(), |s| s.metrics = MetricsPage::new(guarded)).await;
     let url = format!("{base}/metrics");
     assert_eq!(app.client.get(&url).send().await.unwrap().status(), 401);
     assert_eq!(app.client.get(&url).bearer_auth("wrong").send().await.unwrap().status(), 401);

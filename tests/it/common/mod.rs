@@ -142,7 +142,11 @@ impl TestApp {
         store.claim(&us).await.expect("a fresh store is claimed");
         let clock = Clock::system();
         let links = Arc::new(LinkKeys::parse(LINK_KEYS).unwrap());
-        let state = AppState::new(pool.clone(), registry.clone(), store.clone(), links, clock.clone());
+        let state = AppState {
+            // The tests' operator opens the metrics on purpose, fresh at every scrape.
+            metrics: http::MetricsPage::with_max_age(http::MetricsAccess::Open, Duration::ZERO),
+            ..AppState::new(pool.clone(), registry.clone(), store.clone(), links, clock.clone())
+        };
         let (keep_running, never) = tokio::sync::watch::channel(false);
         let (limits, housekeeping_pool) = (state.limits.clone(), state.pool.clone());
         tokio::spawn(async move {
@@ -380,6 +384,36 @@ pub async fn wait_until_blocked(pool: &PgPool, pid: i32) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     panic!("backend {pid} did not block on a lock within 5 s");
+}
+
+/// A host transaction that has written acme's tickets record `key` and holds it (every other
+/// write of the key waits on it), with its backend's pid.
+pub async fn hold_record(pool: &PgPool, key: &str) -> (sqlx::Transaction<'static, sqlx::Postgres>, i32) {
+    let mut host = pool.begin().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *host).await.unwrap();
+    sqlx::query("SELECT exportd_upsert('acme', 'tickets', $1, '{\"subject\": \"host\", \"status\": \"open\"}')")
+        .bind(key)
+        .execute(&mut *host)
+        .await
+        .unwrap();
+    (host, pid)
+}
+
+/// Waits until `count` backends wait on a lock that backend `holder` holds.
+pub async fn wait_until_blocking(pool: &PgPool, holder: i32, count: i64) {
+    for _ in 0..1000 {
+        let waiting: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))")
+                .bind(holder)
+                .fetch_one(pool)
+                .await
+                .unwrap();
+        if waiting >= count {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("{count} backends did not block on backend {holder} within 5 s");
 }
 
 /// gunzip (all members).
