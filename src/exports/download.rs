@@ -41,11 +41,7 @@ pub async fn open(pool: &sqlx::PgPool, caller: &Caller, id: Uuid, object: Object
     if !caller.principal.is_granted(&dataset.name) {
         return Err(ExportError::DatasetNotGranted);
     }
-    // A partner's files were cut with the row filter it had then; once that changed they are no
-    // longer what it may see.
-    if !caller.principal.is_admin() && caller.principal.row_filter_json() != job.row_filter {
-        return Err(ExportError::RowFilterChanged);
-    }
+    super::ensure_same_view(caller, &job)?;
     match job.state {
         ExportState::Succeeded => {}
         ExportState::Queued | ExportState::Running | ExportState::CancelRequested => {

@@ -42,7 +42,8 @@ pub struct RowsEstimate {
     pub low: u64,
     pub high: u64,
     /// `counted` (the dataset is small enough to count), `sampled` (a block sample of the record
-    /// store), `changes_counted` or `changes_sampled` (incremental: the keys changed since the cursor).
+    /// store), `changes_counted` or `changes_sampled` (incremental: the keys changed since the
+    /// cursor); for a partner with a row filter `estimated` or `changes_estimated` either way.
     pub method: &'static str,
 }
 
@@ -130,13 +131,29 @@ async fn census_of(
     let (count, sample) =
         census::count(pool, &caller.tenant.id, &spec.dataset, census(spec, from.as_deref()), SAMPLE_ROWS, SAMPLE_BYTES)
             .await?;
+    if !spec.row_filter.is_empty() {
+        // Whether the census counted or sampled, and how wide a sample's interval is, depend on
+        // records outside the caller's row filter (and on other tenants' data): a partner with
+        // a filter is told neither. Its interval is a function of the value alone.
+        let method = if spec.mode == Mode::Full { "estimated" } else { "changes_estimated" };
+        return Ok((Count { sampled: true, ..value_interval(count.rows) }, sample, method));
+    }
     let method = match (spec.mode, count.sampled) {
         (Mode::Full, false) => "counted",
         (Mode::Full, true) => "sampled",
         (Mode::Incremental, false) => "changes_counted",
         (Mode::Incremental, true) => "changes_sampled",
     };
+    let count = if count.sampled { Count { sampled: true, ..value_interval(count.rows) } } else { count };
     Ok((count, sample, method))
+}
+
+/// The interval around an estimated `rows` that depends on nothing else: that of a Poisson count
+/// (1.96 √rows) plus 5 % for the sample's layout. The sample's own variance would widen with
+/// other tenants' data in the same table (fewer of this dataset's pages are sampled).
+fn value_interval(rows: u64) -> Count {
+    let margin = (1.96 * (rows as f64).sqrt() + 0.05 * rows as f64).ceil() as u64;
+    Count { rows, low: rows.saturating_sub(margin), high: rows + margin, sampled: true }
 }
 
 /// The file's size if `rows` records like `sample` were exported: the sample's encoded and
@@ -166,10 +183,10 @@ fn encoded_size(format: Format, columns: &[OutputColumn], sample: &[Record], row
 
 /// Queue wait and run time at the rate the tenant's recent exports of this mode achieved.
 async fn duration(pool: &PgPool, caller: &Caller, spec: &ExportSpec, rows: u64) -> sqlx::Result<DurationEstimate> {
-    let tenant = caller.tenant.id.as_str();
     // Whole seconds of running (claim to publish) and rows of recent exports big enough to say
-    // something, of this dataset if there are any, else of any of the tenant's datasets.
-    let measured = facts::recent_throughput(pool, tenant, spec.mode, spec.dataset.as_str(), MIN_ROWS_FOR_RATE).await?;
+    // something, of this dataset if there are any, else of any dataset — the caller's own if
+    // it is a partner: other principals' exports are not its to measure.
+    let measured = facts::recent_throughput(pool, caller, spec.mode, spec.dataset.as_str(), MIN_ROWS_FOR_RATE).await?;
     let (measured_rate, method) = match measured {
         Some(facts::Throughput { same_dataset, rows, seconds }) if seconds > 0.0 => {
             (rows / seconds, if same_dataset { "recent_exports_of_dataset" } else { "recent_exports_of_tenant" })

@@ -341,6 +341,7 @@ pub async fn revoke(
 /// The published manifest bytes and their sha256.
 pub async fn manifest(pool: &PgPool, caller: &Caller, id: Uuid) -> Result<(Vec<u8>, String), ExportError> {
     let job = get(pool, caller, id).await?;
+    ensure_same_view(caller, &job)?;
     match job.state {
         ExportState::Succeeded => {}
         ExportState::Queued | ExportState::Running | ExportState::CancelRequested => {
@@ -353,6 +354,15 @@ pub async fn manifest(pool: &PgPool, caller: &Caller, id: Uuid) -> Result<(Vec<u
         return Err(ExportError::Gone(get(pool, caller, id).await?.state));
     };
     Ok((bytes, sha256))
+}
+
+/// A partner's files and manifest were cut with the row filter it had then; once that changed
+/// they are no longer what it may see (keys, totals, checksums included).
+pub fn ensure_same_view(caller: &Caller, job: &ExportJob) -> Result<(), ExportError> {
+    if !caller.principal.is_admin() && caller.principal.row_filter_json() != job.row_filter {
+        return Err(ExportError::RowFilterChanged);
+    }
+    Ok(())
 }
 
 /// Deletes the export's files (storage records what was reclaimed and why), then marks them gone

@@ -116,7 +116,12 @@ impl Cursor {
             return Err(CursorError::Invalid);
         }
         let fingerprint = owner.row_filter_fingerprint();
-        let filter_changed = cursor.rf.as_ref().is_some_and(|rf| *rf != fingerprint);
+        // A first-release cursor carries no fingerprint: it cannot say under which filter it was
+        // cut, so only a principal without a row filter (nothing hidden from it) may go on with it.
+        let filter_changed = match &cursor.rf {
+            Some(rf) => *rf != fingerprint,
+            None => !owner.row_filter.as_object().is_none_or(|filter| filter.is_empty()),
+        };
         if cursor.cluster != owner.cluster || cursor.ts < oldest_ts || filter_changed {
             return Err(CursorError::Expired);
         }
@@ -199,7 +204,7 @@ mod tests {
     }
 
     #[test]
-    fn first_version_signed_cursors_are_still_accepted() {
+    fn first_version_signed_cursors_are_accepted_only_from_principals_without_a_row_filter() {
         use jsonwebtoken::Header;
         let none = json!({});
         let me = owner("acme", "p", "tickets", "42", &none);
@@ -212,5 +217,9 @@ mod tests {
         let text = jsonwebtoken::encode(&header, &old, &encoding).unwrap();
         let decoded = Cursor::decode(&keys, &text, &me, 0).unwrap();
         assert_eq!(decoded, Cursor { after: Some("t-1".into()), ..Cursor::new(&me, "10:12:11", 1000) });
+        // It does not say which filter it was cut under: a filtered partner re-bases.
+        let emea = json!({"region": "emea"});
+        let filtered = owner("acme", "p", "tickets", "42", &emea);
+        assert_eq!(Cursor::decode(&keys, &text, &filtered, 0), Err(CursorError::Expired));
     }
 }

@@ -26,8 +26,10 @@ pub type Filter = serde_json::Map<String, serde_json::Value>;
 pub enum Census<'a> {
     /// The dataset's records as of now that contain both filters (what a full export reads).
     Live { filters: [Option<&'a Filter>; 2] },
-    /// The keys changed since snapshot `since`: their version (or tombstone) live now was written
-    /// after it. Upserts must contain `row_filter`; tombstones always count.
+    /// The keys changed since snapshot `since` as a feed from there delivers them: their version
+    /// (or tombstone) live now was written after it, and it contains `row_filter` (an upsert)
+    /// or the version live at `since` did (a delete: the record was visible to the caller
+    /// then). A key created and deleted since, or never inside the filter, does not count.
     ChangedSince { since: &'a str, row_filter: Option<&'a Filter> },
 }
 
@@ -170,7 +172,11 @@ impl CensusSql {
                 order: "v.created_xid",
                 matches: "NOT pg_visible_in_snapshot(v.created_xid, $3::pg_snapshot)
                           AND exportd_live_at(v.created_xid, v.closed_xid, pg_current_snapshot())
-                          AND (v.data IS NULL OR $4::jsonb IS NULL OR v.data @> $4)",
+                          AND (v.data @> coalesce($4::jsonb, '{}') OR EXISTS (
+                              SELECT 1 FROM record_versions s
+                              WHERE s.tenant = v.tenant AND s.dataset = v.dataset AND s.key = v.key
+                                AND s.data @> coalesce($4::jsonb, '{}')
+                                AND exportd_live_at(s.created_xid, s.closed_xid, $3::pg_snapshot)))",
             },
         }
     }
@@ -179,7 +185,7 @@ impl CensusSql {
     fn bounded_count(&self) -> String {
         format!(
             "SELECT count(*), count(*) FILTER (WHERE {matches}) FROM (
-                 SELECT v.created_xid, v.closed_xid, v.data FROM record_versions v
+                 SELECT v.tenant, v.dataset, v.key, v.created_xid, v.closed_xid, v.data FROM record_versions v
                  WHERE v.tenant = $1 AND v.dataset = $2 AND {range} ORDER BY {order} LIMIT $5) v",
             matches = self.matches,
             range = self.range,

@@ -130,11 +130,11 @@ pub struct Throughput {
     pub seconds: f64,
 }
 
-/// The throughput of the tenant's recent published exports of `mode` with at least `min_rows`
-/// rows — of `dataset` if there are any, else of any dataset.
+/// The throughput of the recent published exports of `mode` with at least `min_rows` rows that
+/// the caller may see (a partner: its own) — of `dataset` if there are any, else of any dataset.
 pub async fn recent_throughput(
     pool: &PgPool,
-    tenant: &str,
+    caller: &Caller,
     mode: Mode,
     dataset: &str,
     min_rows: i64,
@@ -144,14 +144,16 @@ pub async fn recent_throughput(
         r#"SELECT same_dataset AS "same_dataset!", sum(rows_done)::float8 AS "rows!",
                   sum(extract(epoch FROM finished_at - started_at))::float8 AS "seconds!"
            FROM (SELECT dataset = $3 AS same_dataset, rows_done, started_at, finished_at FROM export_jobs
-                 WHERE tenant = $1 AND mode = $2 AND exportd_export_published(state)
+                 WHERE tenant = $1 AND ($5 OR principal = $6) AND mode = $2 AND exportd_export_published(state)
                    AND rows_done >= $4 AND started_at IS NOT NULL AND finished_at > now() - interval '30 days'
                  ORDER BY finished_at DESC LIMIT 200) recent
            GROUP BY same_dataset ORDER BY same_dataset DESC LIMIT 1"#,
-        tenant,
+        caller.tenant.id.as_str(),
         mode.as_str(),
         dataset,
         min_rows,
+        caller.principal.is_admin(),
+        caller.principal.id.as_str(),
     )
     .fetch_optional(pool)
     .await
