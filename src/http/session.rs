@@ -1,12 +1,14 @@
 //! Dashboard sessions. The cookie never holds an API token: it holds a session sealed with the
 //! server key (tenant, principal, expiry), good for the dashboard only and for one hour. Sign-in
 //! by form is accepted only from the dashboard's own origin (no cross-site sign-in); a tenant
-//! admin's API client may instead ask for a one-minute sign-in ticket to open in a browser.
+//! admin's API client may instead ask for a one-minute sign-in ticket to open in a browser —
+//! once, and not from another site's page (login CSRF).
 
 use axum::http::HeaderMap;
 use axum::http::header::{COOKIE, HOST, ORIGIN, REFERER};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
+use uuid::Uuid;
 
 use super::state::AppState;
 use crate::auth::Caller;
@@ -25,36 +27,61 @@ struct Sealed {
     tenant: String,
     sub: String,
     exp: i64,
+    /// A ticket's id, spent at its first use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    id: Option<Uuid>,
 }
 
-fn seal(state: &AppState, purpose: &str, caller: &Caller, seconds: i64) -> String {
+fn seal(state: &AppState, purpose: &str, caller: &Caller, seconds: i64, id: Option<Uuid>) -> String {
     let exp = state.clock.now().unix_timestamp() + seconds;
-    let sealed = Sealed { tenant: caller.tenant.id.to_string(), sub: caller.principal.id.to_string(), exp };
+    let sealed = Sealed { tenant: caller.tenant.id.to_string(), sub: caller.principal.id.to_string(), exp, id };
     state.links.seal(purpose, &serde_json::to_vec(&sealed).expect("serializes"))
 }
 
 /// The admin a sealed session or ticket names, if it is unexpired and the admin still exists
-/// and is enabled.
-fn open(state: &AppState, purpose: &str, text: &str) -> Option<Caller> {
+/// and is enabled; with the ticket's id and expiry.
+fn open(state: &AppState, purpose: &str, text: &str) -> Option<(Caller, Sealed)> {
     let sealed: Sealed = serde_json::from_slice(&state.links.open(purpose, text)?).ok()?;
     if sealed.exp < state.clock.now().unix_timestamp() {
         return None;
     }
     let tenant = state.registry.get(&sealed.tenant)?;
     let principal = tenant.principal(&sealed.sub).filter(|p| p.is_admin() && !p.disabled)?;
-    Some(Caller { tenant: tenant.clone(), principal: principal.clone() })
+    Some((Caller { tenant: tenant.clone(), principal: principal.clone() }, sealed))
 }
 
 pub fn new_session(state: &AppState, caller: &Caller) -> String {
-    seal(state, SESSION, caller, SESSION_SECONDS)
+    seal(state, SESSION, caller, SESSION_SECONDS, None)
 }
 
 pub fn new_ticket(state: &AppState, caller: &Caller) -> String {
-    seal(state, TICKET, caller, TICKET_SECONDS)
+    seal(state, TICKET, caller, TICKET_SECONDS, Some(Uuid::new_v4()))
 }
 
-pub fn ticket_caller(state: &AppState, ticket: &str) -> Option<Caller> {
-    open(state, TICKET, ticket)
+/// The admin a ticket signs in, spending it: a ticket works once (a ticket without an id, from
+/// before tickets had one, not at all).
+pub async fn spend_ticket(state: &AppState, ticket: &str) -> sqlx::Result<Option<Caller>> {
+    let Some((caller, Sealed { id: Some(id), exp, .. })) = open(state, TICKET, ticket) else { return Ok(None) };
+    let expires_at = OffsetDateTime::from_unix_timestamp(exp).unwrap_or(OffsetDateTime::UNIX_EPOCH);
+    let spent = sqlx::query!(
+        "WITH forgotten AS (DELETE FROM dashboard_tickets_spent WHERE expires_at < $3::timestamptz - interval '1 hour')
+         INSERT INTO dashboard_tickets_spent (id, expires_at) VALUES ($1, $2)
+         ON CONFLICT ON CONSTRAINT dashboard_tickets_spent_pkey DO NOTHING",
+        id,
+        expires_at,
+        state.clock.now(),
+    )
+    .execute(&state.pool)
+    .await?;
+    Ok((spent.rows_affected() == 1).then_some(caller))
+}
+
+/// Whether the browser says the request was started by another site's page (`Sec-Fetch-Site:
+/// cross-site` or `same-site`): a link opened from the address bar, a terminal or this
+/// server's pages says `none` or `same-origin` (or, in an old browser, nothing).
+pub fn from_another_site(headers: &HeaderMap) -> bool {
+    let site = headers.get("sec-fetch-site").and_then(|v| v.to_str().ok());
+    matches!(site, Some("cross-site" | "same-site")) || (headers.contains_key(ORIGIN) && !same_origin(headers))
 }
 
 /// The admin of the request's session cookie.
@@ -65,7 +92,7 @@ pub fn session_caller(state: &AppState, headers: &HeaderMap) -> Option<Caller> {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
         .find_map(|c| c.trim().strip_prefix(COOKIE_NAME)?.strip_prefix('='))?;
-    open(state, SESSION, value)
+    open(state, SESSION, value).map(|(caller, _)| caller)
 }
 
 /// Whether a state-changing request comes from a page of this server: its `Origin` (or, when a

@@ -205,7 +205,13 @@ pub async fn read(
                                   ('1 ' || $2)::interval) s),
          kept AS (
              SELECT date_trunc($2, h.hour AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' AS start, h.* FROM tenant_usage_hours h
-             WHERE h.tenant = $1 AND h.hour >= $3 AND h.hour < $4)
+             WHERE h.tenant = $1 AND h.hour >= $3 AND h.hour < $4),
+         -- Refusals per bucket and kind in one pass (not a subquery per bucket).
+         refused AS (
+             SELECT r.start, jsonb_object_agg(r.key, r.n) AS refusals FROM (
+                 SELECT k.start, e.key, sum(e.value::bigint) AS n FROM kept k, jsonb_each_text(k.refusals) e
+                 GROUP BY k.start, e.key) r
+             GROUP BY r.start)
          SELECT b.start AS "start!",
                 coalesce(sum(k.egress_bytes), 0)::bigint AS "egress_bytes!",
                 coalesce(sum(k.rows_exported), 0)::bigint AS "rows_exported!",
@@ -214,15 +220,13 @@ pub async fn read(
                 coalesce(sum(k.exports_cancelled), 0)::bigint AS "exports_cancelled!",
                 max(k.export_seconds_p50) AS export_seconds_p50,
                 max(k.export_seconds_p95) AS export_seconds_p95,
-                coalesce((SELECT jsonb_object_agg(e.key, e.n) FROM (
-                              SELECT e.key, sum(e.value::bigint) AS n FROM kept k2, jsonb_each_text(k2.refusals) e
-                              WHERE k2.start = b.start GROUP BY e.key) e), '{}') AS "refusals!: sqlx::types::Json<BTreeMap<String, i64>>",
+                coalesce(r.refusals, '{}') AS "refusals!: sqlx::types::Json<BTreeMap<String, i64>>",
                 coalesce(max(k.stored_bytes_max), 0)::bigint AS "stored_bytes_max!",
                 coalesce(max(k.queued_max), 0)::bigint AS "queued_max!",
                 coalesce(max(k.running_max), 0)::bigint AS "running_max!",
                 coalesce(max(k.oldest_queued_seconds_max), 0)::bigint AS "oldest_queued_seconds_max!"
-         FROM buckets b LEFT JOIN kept k ON k.start = b.start
-         GROUP BY b.start ORDER BY b.start"#,
+         FROM buckets b LEFT JOIN kept k ON k.start = b.start LEFT JOIN refused r ON r.start = b.start
+         GROUP BY b.start, r.refusals ORDER BY b.start"#,
         tenant,
         granularity.unit(),
         from,

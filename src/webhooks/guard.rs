@@ -68,7 +68,8 @@ fn v4_kind(ip: Ipv4Addr) -> Option<&'static str> {
 }
 
 fn v6_kind(ip: Ipv6Addr) -> Option<&'static str> {
-    let first = ip.segments()[0];
+    let segments = ip.segments();
+    let first = segments[0];
     if ip.is_loopback() {
         Some("loopback")
     } else if ip.is_unspecified() {
@@ -85,6 +86,14 @@ fn v6_kind(ip: Ipv6Addr) -> Option<&'static str> {
         Some("documentation")
     } else if first == 0x2002 || (first == 0x2001 && ip.segments()[1] == 0) {
         Some("6to4 or Teredo (maps IPv4)")
+    } else if segments[..6] == [0; 6] {
+        Some("IPv4-compatible (::/96, deprecated, maps IPv4)")
+    } else if segments[..6] == [0, 0, 0, 0, 0xffff, 0] {
+        Some("IPv4-translated (::ffff:0:0/96, maps IPv4)")
+    } else if first & 0xffc0 == 0xfec0 {
+        Some("site-local (fec0::/10, deprecated private)")
+    } else if segments[..4] == [0x0100, 0, 0, 0] {
+        Some("discard-only (100::/64)")
     } else {
         None
     }
@@ -146,6 +155,12 @@ mod tests {
             "fe80::1",
             "64:ff9b::7f00:1",
             "::",
+            "::127.0.0.1",
+            "::a9fe:a9fe",
+            "::ffff:0:7f00:1",
+            "fec0::1",
+            "feff::1",
+            "100::1",
         ] {
             assert!(refused(&guard, ip), "{ip} must be refused");
         }

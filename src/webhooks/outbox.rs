@@ -14,6 +14,10 @@ use crate::tenants::{Registry, WebhookEvent};
 
 /// Events routed per transaction.
 const ROUTE_BATCH: i64 = 100;
+/// Pending deliveries one endpoint may have. Past it (an endpoint that has failed for days) new
+/// deliveries are recorded as failed at once, with an error saying so: the admin sees them and
+/// retries them by hand once the endpoint is back, and the outbox stays small for everyone.
+pub const MAX_PENDING_PER_ENDPOINT: i64 = 10_000;
 
 /// Creates the deliveries of events not routed yet, one per endpoint that wants the event,
 /// each with its body fixed. Several processes route at once without overlap (`SKIP LOCKED`).
@@ -34,31 +38,57 @@ pub async fn route(
     .fetch_all(&mut *tx)
     .await?;
     let mut created = 0;
+    let mut pending = std::collections::HashMap::new();
     for event in &events {
         let Some(kind) = WebhookEvent::parse(&event.kind) else { continue };
         let Some(tenant) = registry.get(&event.tenant) else { continue };
         let wanting =
             tenant.webhooks.iter().filter(|w| w.wants(kind, event.principal.as_deref(), event.dataset.as_deref()));
         for endpoint in wanting {
-            created += sqlx::query!(
-                "INSERT INTO webhook_deliveries (event_id, tenant, endpoint, body, give_up_at)
-                 VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5))
+            let key = (event.tenant.clone(), endpoint.name.clone());
+            let backlog = match pending.get(&key) {
+                Some(n) => *n,
+                None => pending_of(&mut tx, &event.tenant, &endpoint.name).await?,
+            };
+            let full = backlog >= MAX_PENDING_PER_ENDPOINT;
+            let inserted = sqlx::query!(
+                "INSERT INTO webhook_deliveries (event_id, tenant, endpoint, body, give_up_at, state, last_error)
+                 VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5),
+                         CASE WHEN $6 THEN 'failed' ELSE 'pending' END,
+                         CASE WHEN $6 THEN $7 END)
                  ON CONFLICT ON CONSTRAINT webhook_deliveries_once DO NOTHING",
                 event.id,
                 &event.tenant,
                 &endpoint.name,
                 event.body(public_url),
-                retry_for.as_secs_f64()
+                retry_for.as_secs_f64(),
+                full,
+                format!("not attempted: the endpoint already had {MAX_PENDING_PER_ENDPOINT} deliveries pending"),
             )
             .execute(&mut *tx)
             .await?
             .rows_affected();
+            created += inserted;
+            pending.insert(key, backlog + if full { 0 } else { inserted as i64 });
         }
     }
     let ids: Vec<Uuid> = events.iter().map(|e| e.id).collect();
     sqlx::query!("UPDATE webhook_events SET routed_at = now() WHERE id = ANY($1)", &ids).execute(&mut *tx).await?;
     tx.commit().await?;
     Ok(created)
+}
+
+/// The endpoint's pending deliveries, counted up to [`MAX_PENDING_PER_ENDPOINT`] (an index range).
+async fn pending_of(tx: &mut sqlx::PgConnection, tenant: &str, endpoint: &str) -> sqlx::Result<i64> {
+    sqlx::query_scalar!(
+        r#"SELECT count(*) AS "count!" FROM (
+               SELECT 1 FROM webhook_deliveries WHERE state = 'pending' AND tenant = $1 AND endpoint = $2 LIMIT $3) p"#,
+        tenant,
+        endpoint,
+        MAX_PENDING_PER_ENDPOINT,
+    )
+    .fetch_one(tx)
+    .await
 }
 
 struct EventRow {
@@ -109,7 +139,9 @@ pub struct Attempt {
 /// Leases up to `limit` due deliveries for one attempt each: per endpoint only its oldest
 /// pending delivery, and only when no attempt of that endpoint is in flight — so an endpoint
 /// gets one request at a time, oldest event first — and at most `per_tenant` of one tenant, so
-/// a tenant with many slow endpoints cannot hold every attempt slot.
+/// a tenant with many slow endpoints cannot hold every attempt slot. The endpoints with pending
+/// deliveries are found by skipping through the pending index (one probe per endpoint), and
+/// each one's head by one more: the cost follows the endpoints, not the backlog.
 pub async fn claim(
     pool: &PgPool,
     owner: &str,
@@ -119,9 +151,19 @@ pub async fn claim(
 ) -> sqlx::Result<Vec<Attempt>> {
     sqlx::query_as!(
         Attempt,
-        "WITH heads AS (
-             SELECT DISTINCT ON (tenant, endpoint) id, tenant, next_attempt_at, lease_expires_at
-               FROM webhook_deliveries WHERE state = 'pending' ORDER BY tenant, endpoint, seq),
+        "WITH RECURSIVE endpoints AS (
+             (SELECT tenant, endpoint FROM webhook_deliveries WHERE state = 'pending'
+               ORDER BY tenant, endpoint, seq LIMIT 1)
+             UNION ALL
+             SELECT n.tenant, n.endpoint FROM endpoints e CROSS JOIN LATERAL (
+                 SELECT tenant, endpoint FROM webhook_deliveries
+                  WHERE state = 'pending' AND (tenant, endpoint) > (e.tenant, e.endpoint)
+                  ORDER BY tenant, endpoint, seq LIMIT 1) n),
+         heads AS (
+             SELECT h.id, h.tenant, h.next_attempt_at, h.lease_expires_at FROM endpoints e CROSS JOIN LATERAL (
+                 SELECT id, tenant, next_attempt_at, lease_expires_at FROM webhook_deliveries
+                  WHERE state = 'pending' AND tenant = e.tenant AND endpoint = e.endpoint
+                  ORDER BY seq LIMIT 1) h),
          ready AS (
              SELECT id, next_attempt_at, row_number() OVER (PARTITION BY tenant ORDER BY next_attempt_at) AS nth
                FROM heads

@@ -296,3 +296,25 @@ async fn a_quota_near_or_at_its_limit_is_called_out(pool: PgPool) {
     assert!(text(warning).contains(&format!("{share:.0} % of the limit")), "{}", text(warning));
     assert!(text(warning).contains("19.53 KiB"), "readable: {}", text(warning));
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_sign_in_ticket_works_once_and_never_from_another_site(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let admin = app.token("acme", "alice");
+    let browser = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+    let open = |url: String, site: &'static str| browser.get(url).header("sec-fetch-site", site).send();
+    // A foreign page that makes the browser open an admin's ticket signs nobody in.
+    let url = sign_in_url(&app, &admin).await;
+    let cross_site = open(url.clone(), "cross-site").await.unwrap();
+    assert_eq!(cross_site.status(), 403);
+    assert!(cross_site.headers().get("set-cookie").is_none());
+    let posted_from_elsewhere = browser.get(&url).header("origin", "https://evil.example").send().await.unwrap();
+    assert_eq!(posted_from_elsewhere.status(), 403);
+    // Opened from the address bar it signs in, once.
+    let first = open(url.clone(), "none").await.unwrap();
+    assert_eq!(first.status(), 303);
+    assert!(first.headers()["set-cookie"].to_str().unwrap().starts_with("exportd_session="));
+    let again = open(url, "none").await.unwrap();
+    assert_eq!(again.status(), 401, "a ticket is spent at its first use");
+    assert!(again.headers().get("set-cookie").is_none());
+}

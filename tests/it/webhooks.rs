@@ -408,3 +408,44 @@ async fn a_delivery_process_killed_mid_attempt_is_replaced_and_the_event_arrives
     received.iter().for_each(verify);
     assert_eq!(deliveries(&app, "").await[0]["attempts"], 2);
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn an_endpoint_that_always_fails_has_a_bounded_backlog_and_the_others_still_get_theirs(pool: PgPool) {
+    use exportd::webhooks::outbox::MAX_PENDING_PER_ENDPOINT;
+    let app = TestApp::spawn(pool).await;
+    let dead = format!("http://{}/hook", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap());
+    let receiver = Receiver::start(vec![]).await;
+    let registry = acme_with(&[
+        webhook_section("dead", &dead, &["export.cancelled"], SECRET),
+        webhook_section("ops", &receiver.url("/hook"), &["export.cancelled"], SECRET),
+    ]);
+    // Days of failures: the dead endpoint already has its whole backlog pending.
+    sqlx::query(
+        "WITH e AS (INSERT INTO webhook_events (tenant, type, data, routed_at)
+                    SELECT 'acme', 'export.cancelled', '{}', now() FROM generate_series(1, $1) RETURNING id)
+         INSERT INTO webhook_deliveries (event_id, tenant, endpoint, body, give_up_at)
+         SELECT id, 'acme', 'dead', '{}', now() + interval '1 day' FROM e",
+    )
+    .bind(MAX_PENDING_PER_ENDPOINT)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let deliverer = Deliverer::new(app.pool.clone(), registry, quick()).unwrap();
+    cancelled_export(&app).await;
+    deliver_until(&deliverer, || async { receiver.received().len() == 1 }).await;
+    let refused: (String, String) = sqlx::query_as(
+        "SELECT d.state, d.last_error FROM webhook_deliveries d JOIN webhook_events e ON e.id = d.event_id
+         WHERE d.endpoint = 'dead' AND e.export_id IS NOT NULL",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(refused.0, "failed", "past the cap a delivery is recorded as failed at once");
+    assert!(refused.1.contains("10000 deliveries pending"), "{}", refused.1);
+    let pending: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND endpoint = 'dead'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(pending, MAX_PENDING_PER_ENDPOINT, "the backlog did not grow");
+}

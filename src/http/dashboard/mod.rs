@@ -72,9 +72,17 @@ async fn open_ticket(
     headers: HeaderMap,
     axum::extract::Query(ticket): axum::extract::Query<Ticket>,
 ) -> Response {
-    match session::ticket_caller(&state, &ticket.ticket) {
-        Some(caller) => signed_in(&state, &caller, &headers),
-        None => page(StatusCode::UNAUTHORIZED, pages::sign_in(Some("That sign-in link is not valid or has expired."))),
+    if session::from_another_site(&headers) {
+        let refusal = "This sign-in link was opened from another site. Paste it into the address bar instead.";
+        return page(StatusCode::FORBIDDEN, pages::sign_in(Some(refusal)));
+    }
+    match session::spend_ticket(&state, &ticket.ticket).await {
+        Ok(Some(caller)) => signed_in(&state, &caller, &headers),
+        Ok(None) => page(
+            StatusCode::UNAUTHORIZED,
+            pages::sign_in(Some("That sign-in link is not valid, has expired or was used already.")),
+        ),
+        Err(e) => super::ApiError::from(anyhow::Error::from(e)).into_response(),
     }
 }
 
