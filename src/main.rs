@@ -58,6 +58,10 @@ enum Command {
         /// previous response (bounds idle keep-alive too).
         #[arg(long, env = "EXPORTD_HEADER_TIMEOUT", default_value = "15s", value_parser = humantime::parse_duration)]
         header_timeout: Duration,
+        /// A response (a download, a feed page) whose client takes no bytes for this long is
+        /// abandoned and its connection closed.
+        #[arg(long, env = "EXPORTD_SEND_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+        send_timeout: Duration,
     },
     /// Run export workers only (scale out: any number of processes on any machines).
     Worker {
@@ -156,8 +160,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             metrics_public,
             max_connections,
             header_timeout,
+            send_timeout,
         } => {
-            let connections = ConnectionLimits { max_connections, header_read_timeout: header_timeout };
+            let connections = ConnectionLimits { max_connections, header_read_timeout: header_timeout, send_timeout };
             let metrics = match (metrics_token, metrics_public) {
                 (Some(token), _) => MetricsAccess::Token(token),
                 (None, true) => MetricsAccess::Open,

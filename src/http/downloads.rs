@@ -3,7 +3,6 @@
 
 use std::net::SocketAddr;
 
-use axum::Extension;
 use axum::body::Body;
 use axum::extract::{ConnectInfo, State};
 use axum::http::header::{
@@ -21,9 +20,7 @@ use uuid::Uuid;
 use super::error::{ApiError, ApiResult};
 use super::exports::export_id;
 use super::extract::{Path, Query, admit, caller_from_headers};
-use super::listener::ConnectionCloser;
 use super::range::{RangeAnswer, decide};
-use super::stall::SendTimeout;
 use super::state::AppState;
 use crate::audit::{self, AuditEvent};
 use crate::auth::Caller;
@@ -59,10 +56,8 @@ async fn download_file(
     method: Method,
     headers: HeaderMap,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    connection: Option<Extension<ConnectionCloser>>,
 ) -> ApiResult<Response> {
-    let client = Client { peer, connection: connection.map(|Extension(c)| c) };
-    serve(&state, &id, Object::File, query.token.as_deref(), &method, &headers, client).await
+    serve(&state, &id, Object::File, query.token.as_deref(), &method, &headers, peer).await
 }
 
 /// One shard file.
@@ -79,10 +74,8 @@ async fn download_shard(
     method: Method,
     headers: HeaderMap,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    connection: Option<Extension<ConnectionCloser>>,
 ) -> ApiResult<Response> {
-    let client = Client { peer, connection: connection.map(|Extension(c)| c) };
-    serve(&state, &id, Object::Shard(n), query.token.as_deref(), &method, &headers, client).await
+    serve(&state, &id, Object::Shard(n), query.token.as_deref(), &method, &headers, peer).await
 }
 
 /// Authorize, find the object, decide the range; then (GET) take a download slot, read the
@@ -94,7 +87,7 @@ async fn serve(
     token: Option<&str>,
     method: &Method,
     headers: &HeaderMap,
-    client: Client,
+    peer: SocketAddr,
 ) -> ApiResult<Response> {
     let caller = credential(state, id, object, token, headers)?;
     admit(state, &caller)?;
@@ -106,17 +99,9 @@ async fn serve(
     let slot = state.limits.download_slot(&caller)?;
     // The first bytes are read before anything is charged or answered, so a store that is down
     // gives a clean 503 rather than a cut-off body.
-    let body = body(&state.store, &download, reply.answer, slot).await?;
-    let body = Body::from_stream(SendTimeout::new(body, client.connection, state.download_send_timeout));
-    charge(state, &caller, &download, &reply, client.peer).await?;
+    let body = Body::from_stream(body(&state.store, &download, reply.answer, slot).await?);
+    charge(state, &caller, &download, &reply, peer).await?;
     Ok(respond(&download, reply.answer, body))
-}
-
-/// Where a download goes: the client's address (for the audit log) and its connection (closed
-/// when the client stops reading).
-struct Client {
-    peer: SocketAddr,
-    connection: Option<ConnectionCloser>,
 }
 
 /// Who is downloading: the signed link's principal, or the bearer token's.
@@ -241,7 +226,8 @@ type BodyStream = futures_util::stream::BoxStream<'static, std::io::Result<bytes
 const FIRST_BYTE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The bytes of `answer`, its first chunk already read; `slot` (the tenant's concurrent-download
-/// permit) is held until the body has been sent or the client left.
+/// permit) is held until the body has been sent or the client left (or stalled: the send
+/// timeout closes its connection).
 async fn body(
     store: &ArtifactStore,
     download: &Download,

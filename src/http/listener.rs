@@ -7,14 +7,15 @@
 //! keep-alive), and at most `max_connections` are open: past that, the connection idle longest
 //! — one with no request in progress: silent, between requests, or still sending a request head
 //! however slowly — is closed to admit the new one, so neither silent nor slowloris connections
-//! can lock out real clients.
+//! can lock out real clients. A response whose client stops reading is abandoned after
+//! `send_timeout` ([`super::stall`]), so a busy connection is never busy forever either.
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::ConnectInfo;
@@ -27,6 +28,8 @@ use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
 use tower::ServiceExt;
 
+use super::stall::{self, SendProgress, Watched};
+
 /// Descriptors kept for everything but client connections: database pools, shard and download
 /// files, the cleaner.
 pub const RESERVED_DESCRIPTORS: u64 = 1024;
@@ -35,11 +38,17 @@ pub const RESERVED_DESCRIPTORS: u64 = 1024;
 pub struct ConnectionLimits {
     pub max_connections: usize,
     pub header_read_timeout: Duration,
+    /// A response whose client takes nothing for this long is abandoned (see [`super::stall`]).
+    pub send_timeout: Duration,
 }
 
 impl Default for ConnectionLimits {
     fn default() -> Self {
-        ConnectionLimits { max_connections: 4096, header_read_timeout: Duration::from_secs(15) }
+        ConnectionLimits {
+            max_connections: 4096,
+            header_read_timeout: Duration::from_secs(15),
+            send_timeout: Duration::from_secs(30),
+        }
     }
 }
 
@@ -83,9 +92,8 @@ struct Connection {
     counted: AtomicBool,
     /// Its place in `Connections::idle` while idle (changed under that lock only).
     turn: AtomicU64,
-    opened: Instant,
-    /// When the socket last took bytes of a response (milliseconds after `opened`).
-    wrote_at_ms: AtomicU64,
+    /// What its responses are doing (the send timeout's watch).
+    progress: Arc<SendProgress>,
 }
 
 const NOT_IDLE: u64 = u64::MAX;
@@ -161,24 +169,6 @@ impl Drop for Open {
     }
 }
 
-/// The connection a request came on (a request extension): how long since its client last
-/// took bytes, and the means to close it — for a download whose client stopped reading, so
-/// that it stops holding a slot.
-#[derive(Clone)]
-pub struct ConnectionCloser(Arc<Connection>);
-
-impl ConnectionCloser {
-    pub fn close(&self) {
-        self.0.close.notify_one();
-    }
-
-    /// Time since the socket last accepted response bytes (or since the connection opened).
-    pub fn since_client_took_bytes(&self) -> Duration {
-        let wrote = Duration::from_millis(self.0.wrote_at_ms.load(Ordering::Relaxed));
-        self.0.opened.elapsed().saturating_sub(wrote)
-    }
-}
-
 /// The client socket, noting when it accepts bytes.
 struct Noting<S> {
     socket: S,
@@ -224,8 +214,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Noting<S> {
 impl<S> Noting<S> {
     fn noted(&self, written: &Poll<std::io::Result<usize>>) {
         if matches!(written, Poll::Ready(Ok(n)) if *n > 0) {
-            let at = self.connection.opened.elapsed().as_millis() as u64;
-            self.connection.wrote_at_ms.store(at, Ordering::Relaxed);
+            self.connection.progress.wrote();
         }
     }
 }
@@ -278,8 +267,7 @@ pub async fn serve(
             close: Notify::new(),
             counted: AtomicBool::new(true),
             turn: AtomicU64::new(NOT_IDLE),
-            opened: Instant::now(),
-            wrote_at_ms: AtomicU64::new(0),
+            progress: Arc::new(SendProgress::new()),
         });
         connections.open.fetch_add(1, Ordering::AcqRel);
         connections.idle(&connection);
@@ -305,13 +293,14 @@ pub async fn serve(
                 .map_request(move |mut request: axum::http::Request<Incoming>| {
                     requests.busy(&busy);
                     request.extensions_mut().insert(ConnectInfo(peer));
-                    request.extensions_mut().insert(ConnectionCloser(busy.clone()));
                     request
                 })
                 .map_response(move |response: axum::response::Response| {
                     let guard = IdleAgain { connections: responses.clone(), connection: idle_again.clone() };
+                    let progress = idle_again.progress.clone();
                     response.map(|body| {
-                        axum::body::Body::new(http_body_util::BodyExt::map_frame(body, move |frame| {
+                        let watched = Watched::new(body, progress);
+                        axum::body::Body::new(http_body_util::BodyExt::map_frame(watched, move |frame| {
                             let _sent_while = &guard;
                             frame
                         }))
@@ -324,6 +313,7 @@ pub async fn serve(
             tokio::select! {
                 _ = watcher.watch(connection) => {}
                 () = open.connection.close.notified() => {}
+                () = stall::stalled(&open.connection.progress, limits.send_timeout) => {}
             }
             drop(open);
         });

@@ -1,7 +1,8 @@
 //! `GET /metrics`: Prometheus text format. Export counts and oldest ages per tenant and state,
 //! and the webhook backlog, are read from PostgreSQL (every process reports the same, shared
 //! truth) — at most once per `max_age` and one refresh at a time, whatever the number of
-//! scrapers, each under a statement timeout; a scrape meanwhile gets the last figures.
+//! scrapers, each under a time limit; a scrape meanwhile gets the last figures. The rendered
+//! text is reused for a second.
 //! Counters and histograms are this process's. The page names every tenant, so it is closed
 //! unless the operator sets `EXPORTD_METRICS_TOKEN` (or opens it with `EXPORTD_METRICS_PUBLIC`).
 
@@ -33,13 +34,19 @@ pub enum MetricsAccess {
     Open,
 }
 
-/// Access, and the database-backed gauges' last refresh.
+/// Access, the database-backed gauges' last refresh, and the last page rendered.
 pub struct MetricsPage {
     pub access: MetricsAccess,
     /// Figures at most this old are served without asking the database again.
     pub max_age: Duration,
     refreshed: tokio::sync::Mutex<Option<Instant>>,
+    /// Scrapes within [`RENDER_MAX_AGE`] (or `max_age`, if shorter) get the same text: a
+    /// scraping loop costs a copy, not a rendering, each time.
+    rendered: std::sync::Mutex<Option<(Instant, axum::body::Bytes)>>,
 }
+
+/// How long a rendered page is served again.
+const RENDER_MAX_AGE: Duration = Duration::from_secs(1);
 
 /// Default of [`MetricsPage::max_age`].
 pub const GAUGES_MAX_AGE: Duration = Duration::from_secs(5);
@@ -50,7 +57,12 @@ impl MetricsPage {
     }
 
     pub fn with_max_age(access: MetricsAccess, max_age: Duration) -> Arc<MetricsPage> {
-        Arc::new(MetricsPage { access, max_age, refreshed: tokio::sync::Mutex::new(None) })
+        Arc::new(MetricsPage {
+            access,
+            max_age,
+            refreshed: tokio::sync::Mutex::new(None),
+            rendered: std::sync::Mutex::new(None),
+        })
     }
 
     fn admit(&self, headers: &HeaderMap) -> ApiResult<()> {
@@ -79,8 +91,11 @@ impl MetricsPage {
         if refreshed.is_some_and(|at| at.elapsed() < self.max_age) {
             return;
         }
+        // Counted from the attempt, whatever its outcome: a failing or slow database is asked
+        // once per `max_age` too.
+        *refreshed = Some(Instant::now());
         match tokio::time::timeout(REFRESH_PATIENCE, set_gauges(pool, registry)).await {
-            Ok(Ok(())) => *refreshed = Some(Instant::now()),
+            Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(error = %e, "metrics: could not read the export gauges"),
             Err(_) => tracing::warn!("metrics: reading the export gauges took too long"),
         }
@@ -91,11 +106,22 @@ impl MetricsPage {
 const REFRESH_PATIENCE: Duration = Duration::from_secs(2);
 
 pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<impl IntoResponse> {
-    state.metrics.admit(&headers)?;
-    state.metrics.refresh(&state.pool, &state.registry).await;
-    let handle = crate::telemetry::prometheus();
-    handle.run_upkeep();
-    Ok(([(CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()))
+    let page = &state.metrics;
+    page.admit(&headers)?;
+    let fresh = RENDER_MAX_AGE.min(page.max_age);
+    let cached = page.rendered.lock().expect("not poisoned").clone();
+    let text = match cached {
+        Some((at, text)) if at.elapsed() < fresh => text,
+        _ => {
+            page.refresh(&state.pool, &state.registry).await;
+            let handle = crate::telemetry::prometheus();
+            handle.run_upkeep();
+            let text = axum::body::Bytes::from(handle.render());
+            *page.rendered.lock().expect("not poisoned") = Some((Instant::now(), text.clone()));
+            text
+        }
+    };
+    Ok(([(CONTENT_TYPE, "text/plain; version=0.0.4")], text))
 }
 
 async fn set_gauges(pool: &PgPool, registry: &Registry) -> sqlx::Result<()> {

@@ -35,7 +35,7 @@ use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
 pub use error::{ApiError, ApiResult};
-pub use listener::{ConnectionCloser, ConnectionLimits, serve};
+pub use listener::{ConnectionLimits, serve};
 pub use metrics::{MetricsAccess, MetricsPage};
 pub use state::AppState;
 

@@ -1,75 +1,115 @@
-//! A send timeout for streamed bodies: a client that stops reading (a tiny receive window, a
-//! paused process) would otherwise hold its download slot, its connection and the store's
-//! stream for as long as it likes. When for `patience` the socket has taken no bytes and hyper
-//! has not asked the body for more — while the body is not itself waiting on the store — the
-//! reader has stalled: its connection is closed (like nginx's `send_timeout`), which drops the
-//! body and returns the slot. A slow reader that takes a few bytes now and then is not stalled.
+//! A send timeout for every response: a client that stops reading (a tiny receive window, a
+//! paused process) would otherwise keep its connection busy — never evicted — and hold whatever
+//! the response holds (a download slot, a page in memory, the store's stream) for as long as it
+//! likes. While a response is being sent, when for `send_timeout` the socket has taken no bytes
+//! and hyper has not asked the body for more — while the body is not itself waiting on its
+//! source (a slow store, a query) — the reader has stalled: the connection is closed (like
+//! nginx's `send_timeout`), which drops the body and everything it holds. A slow reader that
+//! takes a few bytes now and then is not stalled.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use futures_util::Stream;
+use axum::body::{Body, Bytes};
+use http_body::Frame;
 
-use super::listener::ConnectionCloser;
-
-/// When the body was last asked for bytes, and whether it is waiting on its source.
-struct Progress {
-    started: Instant,
+/// What one connection's send side is doing, shared by its socket, its response body and its
+/// watchdog.
+pub struct SendProgress {
+    opened: Instant,
+    /// A response body is alive (not yet sent to the end or dropped).
+    sending: AtomicBool,
+    /// When hyper last asked the body for bytes, and when the socket last took some
+    /// (milliseconds after `opened`).
     asked_at_ms: AtomicU64,
+    wrote_at_ms: AtomicU64,
+    /// The body's last answer was "not yet": it waits on its source, not on the client.
     waiting_on_source: AtomicBool,
 }
 
-impl Progress {
-    fn since_asked(&self) -> Duration {
-        let asked = Duration::from_millis(self.asked_at_ms.load(Ordering::Relaxed));
-        self.started.elapsed().saturating_sub(asked)
-    }
-}
-
-/// `inner`, closing `connection` when its reader stalls for `patience`.
-pub struct SendTimeout<S> {
-    inner: S,
-    progress: Arc<Progress>,
-}
-
-impl<S> SendTimeout<S> {
-    pub fn new(inner: S, connection: Option<ConnectionCloser>, patience: Duration) -> SendTimeout<S> {
-        let progress =
-            Arc::new(Progress { started: Instant::now(), asked_at_ms: 0.into(), waiting_on_source: false.into() });
-        if let Some(connection) = connection {
-            tokio::spawn(watch(Arc::downgrade(&progress), connection, patience));
+impl SendProgress {
+    pub fn new() -> SendProgress {
+        SendProgress {
+            opened: Instant::now(),
+            sending: false.into(),
+            asked_at_ms: 0.into(),
+            wrote_at_ms: 0.into(),
+            waiting_on_source: false.into(),
         }
-        SendTimeout { inner, progress }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.opened.elapsed().as_millis() as u64
+    }
+
+    /// The socket accepted bytes.
+    pub fn wrote(&self) {
+        self.wrote_at_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// Whether the client has taken nothing of a response for `patience`.
+    fn stalled(&self, patience: Duration) -> bool {
+        let last = self.asked_at_ms.load(Ordering::Relaxed).max(self.wrote_at_ms.load(Ordering::Relaxed));
+        self.sending.load(Ordering::Relaxed)
+            && !self.waiting_on_source.load(Ordering::Relaxed)
+            && self.now_ms().saturating_sub(last) >= patience.as_millis() as u64
     }
 }
 
-/// Closes the connection once the body has gone unasked for `patience`; ends with the body.
-async fn watch(progress: Weak<Progress>, connection: ConnectionCloser, patience: Duration) {
+/// Resolves when the connection's reader has stalled for `patience` (never while idle).
+pub async fn stalled(progress: &SendProgress, patience: Duration) {
     let tick = (patience / 4).max(Duration::from_millis(50));
     loop {
         tokio::time::sleep(tick).await;
-        let Some(progress) = progress.upgrade() else { return };
-        let idle = progress.since_asked().min(connection.since_client_took_bytes());
-        if !progress.waiting_on_source.load(Ordering::Relaxed) && idle >= patience {
-            tracing::warn!(patience_seconds = patience.as_secs_f64(), "a download's reader stalled; closing it");
-            metrics::counter!("exportd_downloads_stalled_total").increment(1);
-            connection.close();
+        if progress.stalled(patience) {
+            tracing::warn!(patience_seconds = patience.as_secs_f64(), "a client stopped reading its response; closing");
+            metrics::counter!("exportd_responses_stalled_total").increment(1);
             return;
         }
     }
 }
 
-impl<S: Stream + Unpin> Stream for SendTimeout<S> {
-    type Item = S::Item;
+/// A response body that reports to its connection's [`SendProgress`].
+pub struct Watched {
+    body: Body,
+    progress: Arc<SendProgress>,
+}
 
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<S::Item>> {
-        let progress = &self.progress;
-        progress.asked_at_ms.store(progress.started.elapsed().as_millis() as u64, Ordering::Relaxed);
-        let polled = Pin::new(&mut self.inner).poll_next(cx);
-        self.progress.waiting_on_source.store(polled.is_pending(), Ordering::Relaxed);
+impl Watched {
+    pub fn new(body: Body, progress: Arc<SendProgress>) -> Watched {
+        progress.asked_at_ms.store(progress.now_ms(), Ordering::Relaxed);
+        progress.waiting_on_source.store(false, Ordering::Relaxed);
+        progress.sending.store(true, Ordering::Relaxed);
+        Watched { body, progress }
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        self.progress.sending.store(false, Ordering::Relaxed);
+    }
+}
+
+impl http_body::Body for Watched {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let progress = self.progress.clone();
+        progress.asked_at_ms.store(progress.now_ms(), Ordering::Relaxed);
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        progress.waiting_on_source.store(polled.is_pending(), Ordering::Relaxed);
         polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
     }
 }

@@ -26,12 +26,7 @@ pub struct AppState {
     pub metrics: Arc<MetricsPage>,
     /// A delivery retried by hand is tried again for this long (EXPORTD_WEBHOOK_RETRY_FOR).
     pub webhook_retry_for: Duration,
-    /// A download whose client takes no bytes for this long is closed.
-    pub download_send_timeout: Duration,
 }
-
-/// Default of `download_send_timeout`.
-pub const DEFAULT_DOWNLOAD_SEND_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Default of EXPORTD_WEBHOOK_RETRY_FOR.
 pub const DEFAULT_WEBHOOK_RETRY_FOR: Duration = Duration::from_secs(24 * 3600);
@@ -60,7 +55,6 @@ impl AppState {
             limits,
             metrics: MetricsPage::new(MetricsAccess::Closed),
             webhook_retry_for: DEFAULT_WEBHOOK_RETRY_FOR,
-            download_send_timeout: DEFAULT_DOWNLOAD_SEND_TIMEOUT,
         }
     }
 }

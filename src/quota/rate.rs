@@ -21,7 +21,14 @@ use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use sqlx::PgPool;
 
 /// Estimates' censuses running at once per tenant (one per principal, see [`SharedSlots`]).
-const ESTIMATES_PER_TENANT: u32 = 2;
+const ESTIMATES_PER_TENANT: u32 = 4;
+
+/// Who shares a tenant's slots: its admins together, and each enabled partner.
+fn holders(tenant: &crate::tenants::Tenant) -> usize {
+    let enabled = tenant.principals.values().filter(|p| !p.disabled);
+    let (admins, partners): (Vec<_>, Vec<_>) = enabled.partition(|p| p.is_admin());
+    usize::from(!admins.is_empty()) + partners.len()
+}
 
 type ApiBuckets = HashMap<TenantId, DefaultKeyedRateLimiter<String>>;
 
@@ -36,7 +43,9 @@ pub struct RateLimits {
     pub refusals: Refusals,
     downloads: HashMap<TenantId, Arc<SharedSlots>>,
     requests: HashMap<TenantId, Arc<SharedSlots>>,
-    /// One estimate's census at a time per principal, two per tenant.
+    /// Request bodies arriving (read before a request slot is taken).
+    uploads: HashMap<TenantId, Arc<SharedSlots>>,
+    /// One estimate's census at a time per principal, four per tenant.
     estimates: HashMap<TenantId, Arc<SharedSlots>>,
     clock: DefaultClock,
 }
@@ -47,11 +56,15 @@ impl RateLimits {
             registry.tenants().map(|t| (t.id.clone(), (t.quota.api_requests_per_second, t.quota.api_burst))).collect();
         let api = RwLock::new(Arc::new(api_buckets(&api_quotas, 1)));
         let slots = |capacity: fn(&crate::tenants::Tenant) -> u32| {
-            registry.tenants().map(|t| (t.id.clone(), SharedSlots::new(capacity(t)))).collect()
+            registry.tenants().map(|t| (t.id.clone(), SharedSlots::new(capacity(t), holders(t)))).collect()
         };
         let downloads = slots(|t| t.quota.max_concurrent_downloads);
         let requests = slots(|t| t.quota.max_concurrent_requests);
-        let estimates = slots(|_| ESTIMATES_PER_TENANT);
+        let uploads = slots(|t| t.quota.max_concurrent_requests);
+        let estimates = registry
+            .tenants()
+            .map(|t| (t.id.clone(), SharedSlots::with_per_holder(ESTIMATES_PER_TENANT, 1, holders(t))))
+            .collect();
         RateLimits {
             api,
             api_quotas,
@@ -59,6 +72,7 @@ impl RateLimits {
             refusals: Refusals::new(registry),
             downloads,
             requests,
+            uploads,
             estimates,
             clock: DefaultClock::default(),
         }
@@ -115,6 +129,12 @@ impl RateLimits {
         })
     }
 
+    /// A slot for one request body of the caller arriving (as many as `max_concurrent_requests`,
+    /// apart from them: a body that drips holds one of these, never a request slot).
+    pub fn upload_slot(&self, caller: &Caller) -> Result<Slot, Rejection> {
+        self.slot(&self.uploads, caller, Rejection::Concurrency)
+    }
+
     /// A slot for one request of the caller in progress (`max_concurrent_requests`).
     pub fn request_slot(&self, caller: &Caller) -> Result<Slot, Rejection> {
         self.slot(&self.requests, caller, Rejection::Concurrency)
@@ -126,7 +146,7 @@ impl RateLimits {
     }
 
     /// The caller's one slot for an estimate (each reads up to a few MiB of the record store):
-    /// a principal's estimates cost one census at a time, a tenant's at most two, and a
+    /// a principal's estimates cost one census at a time, a tenant's at most four, and a
     /// partner's never take the admins' turn.
     pub fn estimate_slot(&self, caller: &Caller) -> Result<Slot, Rejection> {
         self.slot(&self.estimates, caller, Rejection::EstimateInProgress)

@@ -149,6 +149,11 @@ impl<'a> Census<'a> {
     }
 }
 
+/// A sampled record as the caller would receive it: its data if it matches the row filter `$4`
+/// (every live record of a `Live` census does), else `{}` — a delete, whose data the caller
+/// never sees (a record that left the filter must not lend its bytes to the estimate).
+const AS_DELIVERED: &str = "CASE WHEN v.data @> coalesce($4::jsonb, '{}') THEN v.data::text ELSE '{}' END";
+
 /// The statements of one kind of census, over `record_versions v`.
 struct CensusSql {
     /// Narrows the dataset's versions to an index range, walked in `order`.
@@ -196,8 +201,9 @@ impl CensusSql {
     /// The first `$5` matching records in index order.
     fn first_rows(&self) -> String {
         format!(
-            "SELECT v.key, coalesce(v.data::text, '{{}}') AS data FROM record_versions v
+            "SELECT v.key, {as_delivered} AS data FROM record_versions v
              WHERE v.tenant = $1 AND v.dataset = $2 AND {range} AND {matches} ORDER BY {order} LIMIT $5",
+            as_delivered = AS_DELIVERED,
             matches = self.matches,
             range = self.range,
             order = self.order
@@ -220,9 +226,10 @@ impl CensusSql {
     /// Up to `$7` matching records of the same sample.
     fn sampled_rows(&self) -> String {
         format!(
-            "SELECT v.key, coalesce(v.data::text, '{{}}') AS data
+            "SELECT v.key, {as_delivered} AS data
              FROM record_versions v TABLESAMPLE SYSTEM ($5) REPEATABLE ($6)
              WHERE v.tenant = $1 AND v.dataset = $2 AND {range} AND {matches} LIMIT $7",
+            as_delivered = AS_DELIVERED,
             matches = self.matches,
             range = self.range
         )

@@ -89,7 +89,7 @@ fn v6_kind(ip: Ipv6Addr) -> Option<&'static str> {
     } else if segments[..6] == [0; 6] {
         Some("IPv4-compatible (::/96, deprecated, maps IPv4)")
     } else if segments[..6] == [0, 0, 0, 0, 0xffff, 0] {
-        Some("IPv4-translated (::ffff:0:0/96, maps IPv4)")
+        Some("IPv4-translated (::ffff:0:0:0/96, maps IPv4)")
     } else if first & 0xffc0 == 0xfec0 {
         Some("site-local (fec0::/10, deprecated private)")
     } else if segments[..4] == [0x0100, 0, 0, 0] {

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::common::processes::{Server, wait_terminal};
 use crate::common::{TestApp, full_csv};
+use crate::slow_clients::{dripping_post, seed_incompressible, stalled_get};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
@@ -261,10 +262,16 @@ async fn slow_clients_cost_nothing_shared(pool: PgPool) {
     use tokio::io::AsyncWriteExt;
     let _ = rlimit::increase_nofile_limit(u64::MAX);
     let app = TestApp::spawn(pool).await;
+    let partner = app.token("acme", "zenpartner");
+    seed_incompressible(&app.pool, 100).await;
+    let big = app.export(&partner, &json!({"dataset": "tickets", "format": "csv"})).await;
     let server = Server::start_with(&app, "1", None, |c| {
-        c.env("EXPORTD_METRICS_TOKEN", "scrape").env("EXPORTD_MAX_CONNECTIONS", "2000");
+        c.env("EXPORTD_METRICS_TOKEN", "scrape")
+            .env("EXPORTD_MAX_CONNECTIONS", "2000")
+            .env("EXPORTD_SEND_TIMEOUT", "5s");
     })
     .await;
+    assert_eq!(wait_terminal(&app.pool, &big, Duration::from_secs(120)).await, "SUCCEEDED");
     let (base, pid) = (server.base.clone(), server.child.id());
     let address = base.trim_start_matches("http://").to_owned();
     let other = app.token("globex", "hank");
@@ -358,4 +365,62 @@ async fn slow_clients_cost_nothing_shared(pool: PgPool) {
     );
     assert_eq!(errors, 0);
     assert!(loaded_p99 <= (p99(&mut quiet) * 3).max(Duration::from_millis(15)));
+
+    // 3. One partner: 64 downloads of a 10 MB file that it never reads, and 64 POSTs whose body
+    // stops after one byte; meanwhile its tenant's admin downloads and ingests, another tenant
+    // reads. The send timeout is 5 s here (default 30 s), the body stall limit 10 s.
+    let (mut quiet, _) = well_behaved(&base, &other, Duration::from_secs(4)).await;
+    reset_peak_rss(pid);
+    let admin = app.token("acme", "alice");
+    let mut stalled = Vec::new();
+    let mut statuses = std::collections::BTreeMap::new();
+    for _ in 0..64 {
+        let (status, stream) = stalled_get(&address, &format!("/v1/exports/{big}/file"), &partner).await;
+        *statuses.entry(status).or_insert(0) += 1;
+        stalled.push(stream);
+    }
+    let mut dripping = Vec::new();
+    for _ in 0..64 {
+        dripping.push(dripping_post(&address, "/v1/datasets/tickets/records", &partner).await);
+    }
+    let admin_work = async {
+        let client = reqwest::Client::new();
+        let (mut ok, mut refused) = (0, 0);
+        for i in 0..20 {
+            let file = client.get(format!("{base}/v1/exports/{big}/file")).bearer_auth(&admin).send().await;
+            let file_ok = match file {
+                Ok(r) if r.status() == 200 => r.bytes().await.is_ok(),
+                _ => false,
+            };
+            let body = json!([{"key": format!("admin-{i}"), "data": {"subject": "s", "status": "open"}}]);
+            let ingest = client.post(format!("{base}/v1/datasets/tickets/records")).bearer_auth(&admin).json(&body);
+            let ingest_ok = ingest.send().await.is_ok_and(|r| r.status() == 200);
+            if file_ok && ingest_ok { ok += 1 } else { refused += 1 }
+        }
+        (ok, refused)
+    };
+    let ((mut loaded, errors), (mut health, health_failures), (admin_ok, admin_refused)) = tokio::join!(
+        well_behaved(&base, &other, Duration::from_secs(12)),
+        probes(&base, Duration::from_secs(12)),
+        admin_work
+    );
+    let mut closed = 0;
+    for mut stream in stalled.into_iter().chain(dripping) {
+        use tokio::io::AsyncReadExt;
+        let mut rest = Vec::new();
+        if tokio::time::timeout(Duration::from_secs(15), stream.read_to_end(&mut rest)).await.is_ok() {
+            closed += 1;
+        }
+    }
+    println!(
+        "one partner's 64 stalled downloads (statuses {statuses:?}) and 64 dripping bodies: admin {admin_ok} \
+         downloads+ingests ok, {admin_refused} refused; other tenant p99 {:.1} ms vs {:.1} ms, {errors} errors; \
+         /healthz p99 {:.1} ms, {health_failures} failed; {closed}/128 closed by the server; peak RSS {:.0} MiB",
+        p99(&mut loaded).as_secs_f64() * 1000.0,
+        p99(&mut quiet).as_secs_f64() * 1000.0,
+        p99(&mut health).as_secs_f64() * 1000.0,
+        peak_rss_mib(pid)
+    );
+    assert_eq!((errors, health_failures, admin_refused), (0, 0, 0));
+    assert_eq!(closed, 128, "every stalled download and dripping body ends");
 }

@@ -57,7 +57,11 @@ async fn downloads_pay_the_api_rate_like_every_other_request(pool: PgPool) {
 
 /// A sibling server that admits 20 connections and waits 1 s for a request head.
 async fn small_server(app: &TestApp) -> String {
-    let limits = exportd::http::ConnectionLimits { max_connections: 20, header_read_timeout: Duration::from_secs(1) };
+    let limits = exportd::http::ConnectionLimits {
+        max_connections: 20,
+        header_read_timeout: Duration::from_secs(1),
+        ..Default::default()
+    };
     app.sibling_limited(app.registry.clone(), |_| {}, limits).await
 }
 

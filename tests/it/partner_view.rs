@@ -31,6 +31,7 @@ async fn an_incremental_estimate_counts_what_the_partners_feed_delivers(pool: Pg
     }
     upsert(&app.pool, "emea-1", "emea").await;
     upsert(&app.pool, "moves-out", "emea").await;
+    upsert(&app.pool, "moves-out-big", "emea").await;
     let partner = app.token("acme", "zenpartner"); // row filter: region = emea
     let cursor = app.cursor_now(&partner, "tickets").await;
     // Hidden records deleted, one created and deleted since, one visible record deleted and one
@@ -42,14 +43,23 @@ async fn an_incremental_estimate_counts_what_the_partners_feed_delivers(pool: Pg
     delete(&app.pool, "short-lived").await;
     delete(&app.pool, "emea-1").await;
     upsert(&app.pool, "moves-out", "apac").await;
+    // Leaving the filter with 200 kB of data it will never receive.
+    let hidden = json!({"subject": "x".repeat(200_000), "status": "open", "region": "apac"});
+    sqlx::query("SELECT exportd_upsert('acme', 'tickets', 'moves-out-big', $1)")
+        .bind(hidden)
+        .execute(&app.pool)
+        .await
+        .unwrap();
     upsert(&app.pool, "emea-2", "emea").await;
     let body = json!({"dataset": "tickets", "format": "jsonl", "mode": "incremental", "since": cursor});
     let guess = estimated(&app, &partner, &body).await;
     app.pass_safety_delay();
     app.tick().await;
     let (changes, _) = app.pull_all(&partner, "tickets", &cursor, 100).await;
-    assert_eq!(changes.len(), 3, "{changes:?}");
-    assert_eq!(guess["rows"]["value"], 3, "the estimate counts what the feed delivers: {guess}");
+    assert_eq!(changes.len(), 4, "{changes:?}");
+    assert_eq!(guess["rows"]["value"], 4, "the estimate counts what the feed delivers: {guess}");
+    let bytes = guess["bytes"]["uncompressed"].as_u64().unwrap();
+    assert!(bytes < 10_000, "a record that left the filter lends no bytes: {guess}");
     assert_eq!(guess["rows"]["method"], "changes_estimated");
 }
 

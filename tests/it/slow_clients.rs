@@ -28,9 +28,9 @@ fn token(principal: &str) -> String {
     exportd::auth::mint_at(registry.get("acme").unwrap(), principal, now, now + 3600).unwrap()
 }
 
-/// A request sent on a raw socket that reads only the response head, then stops reading: its
-/// receive window stays tiny, so the server's writes stall.
-async fn stalled_download(address: &str, path: &str, token: &str) -> TcpStream {
+/// A GET sent on a raw socket that reads only the start of the response, then stops reading:
+/// its receive window stays tiny, so the server's writes stall. Returns the status and socket.
+pub(crate) async fn stalled_get(address: &str, path: &str, token: &str) -> (u16, TcpStream) {
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
     let mut stream = socket.connect(address.parse().unwrap()).await.unwrap();
@@ -38,17 +38,30 @@ async fn stalled_download(address: &str, path: &str, token: &str) -> TcpStream {
     stream.write_all(head.as_bytes()).await.unwrap();
     let mut first = [0u8; 512];
     let n = stream.read(&mut first).await.unwrap();
-    assert!(
-        String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"),
-        "{}",
-        String::from_utf8_lossy(&first[..n])
+    let status = String::from_utf8_lossy(&first[..n]).get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, stream)
+}
+
+async fn stalled_download(address: &str, path: &str, token: &str) -> TcpStream {
+    let (status, stream) = stalled_get(address, path, token).await;
+    assert_eq!(status, 200);
+    stream
+}
+
+/// A POST whose head promises a body of which only the first byte is sent.
+pub(crate) async fn dripping_post(address: &str, path: &str, token: &str) -> TcpStream {
+    let mut stream = TcpStream::connect(address).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\
+         Content-Type: application/json\r\nContent-Length: 100\r\n\r\n["
     );
+    stream.write_all(head.as_bytes()).await.unwrap();
     stream
 }
 
 /// Records of ~100 KB of hexadecimal noise each: an export of about 10 MB compressed, more than
 /// the socket buffers between a server and a client that does not read.
-async fn seed_incompressible(pool: &PgPool, records: i32) {
+pub(crate) async fn seed_incompressible(pool: &PgPool, records: i32) {
     sqlx::query(
         "SELECT exportd_upsert('acme', 'tickets', 'big-' || n,
                 jsonb_build_object('subject', (SELECT string_agg(md5(random()::text || n || i), '')
@@ -65,11 +78,13 @@ async fn seed_incompressible(pool: &PgPool, records: i32) {
 #[sqlx::test(migrations = "./migrations")]
 async fn a_partners_stalled_downloads_hold_only_its_share_and_are_cut_off(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
-    seed_incompressible(&app.pool, 100).await;
     let partner = app.token("acme", "zenpartner");
+    let cursor = app.cursor_now(&partner, "tickets").await;
+    seed_incompressible(&app.pool, 100).await;
     let id = app.export(&partner, &json!({"dataset": "tickets", "format": "csv"})).await;
     app.drain().await;
-    let base = app.sibling_with(acme_with_carol(), |s| s.download_send_timeout = Duration::from_secs(1)).await;
+    let limits = exportd::http::ConnectionLimits { send_timeout: Duration::from_secs(1), ..Default::default() };
+    let base = app.sibling_limited(acme_with_carol(), |_| {}, limits).await;
     let address = base.trim_start_matches("http://").to_owned();
     let path = format!("/v1/exports/{id}/file");
     let mut stalled = Vec::new();
@@ -89,6 +104,15 @@ async fn a_partners_stalled_downloads_hold_only_its_share_and_are_cut_off(pool: 
         let closed = tokio::time::timeout(Duration::from_secs(20), stream.read_to_end(&mut rest)).await;
         assert!(closed.is_ok(), "the stalled download's connection is closed by the server");
     }
+    // Any response does the same: a feed page of ~8 MiB to a reader that takes nothing.
+    app.pass_safety_delay();
+    app.tick().await;
+    let mut page =
+        stalled_download(&address, &format!("/v1/datasets/tickets/changes?limit=10000&cursor={cursor}"), &partner)
+            .await;
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(20), page.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "the stalled feed page's connection is closed by the server");
     let again = app.client.get(format!("{base}{path}")).bearer_auth(&partner).send().await.unwrap();
     assert_eq!(again.status(), 200, "the partner's slots came back");
     let body = again.bytes().await.unwrap();
@@ -104,13 +128,7 @@ async fn bodies_that_drip_hold_no_request_slot(pool: PgPool) {
     // 8 ingest requests of one partner (the tenant's 8 slots) whose bodies never finish.
     let mut dripping = Vec::new();
     for _ in 0..8 {
-        let mut stream = TcpStream::connect(&address).await.unwrap();
-        let head = format!(
-            "POST /v1/datasets/tickets/records HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {partner}\r\n\
-             Content-Type: application/json\r\nContent-Length: 100\r\n\r\n["
-        );
-        stream.write_all(head.as_bytes()).await.unwrap();
-        dripping.push(stream);
+        dripping.push(dripping_post(&address, "/v1/datasets/tickets/records", &partner).await);
     }
     // Every other principal of the tenant is served all along.
     for round in 0..20 {
@@ -155,7 +173,11 @@ async fn a_principals_busy_requests_leave_the_others_their_share(pool: PgPool) {
 #[sqlx::test(migrations = "./migrations")]
 async fn slow_request_heads_are_evicted_like_silent_connections(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
-    let limits = exportd::http::ConnectionLimits { max_connections: 20, header_read_timeout: Duration::from_secs(10) };
+    let limits = exportd::http::ConnectionLimits {
+        max_connections: 20,
+        header_read_timeout: Duration::from_secs(10),
+        ..Default::default()
+    };
     let base = app.sibling_limited(app.registry.clone(), |_| {}, limits).await;
     let address = base.trim_start_matches("http://").to_owned();
     // More connections than the server admits, each with part of a request head sent.
