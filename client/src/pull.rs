@@ -43,7 +43,16 @@ pub async fn pull(options: &PullOptions) -> anyhow::Result<u64> {
     let base = options.base_url.trim_end_matches('/');
     let auth = format!("Bearer {}", options.token);
     let cursor = match tokio::fs::read_to_string(&options.cursor_file).await {
-        Ok(text) => text.trim().to_owned(),
+        Ok(text) => {
+            if let Some(id) = &options.since_export {
+                eprintln!(
+                    "--since-export {id} ignored: the cursor file {} already holds the feed's position \
+                     (delete it to start again where that export ends)",
+                    options.cursor_file.display()
+                );
+            }
+            text.trim().to_owned()
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let (url, field) = match &options.since_export {
                 Some(id) => (format!("{base}/v1/exports/{id}/manifest"), "next_cursor"),
@@ -67,7 +76,7 @@ pub async fn pull(options: &PullOptions) -> anyhow::Result<u64> {
         Err(e) => return Err(e).context("reading the cursor file"),
     };
     let bar = if options.progress { ProgressBar::new_spinner() } else { ProgressBar::hidden() };
-    bar.set_style(ProgressStyle::with_template("{spinner} {pos} changes {msg}").expect("a valid template"));
+    bar.set_style(ProgressStyle::with_template("{spinner} changes: {pos} {msg}").expect("a valid template"));
     let mut out = tokio::fs::OpenOptions::new().create(true).append(true).open(&options.out).await?;
     let changes_url = format!("{base}/v1/datasets/{}/changes", options.dataset);
     let feed = FeedClient { client: &client, url: &changes_url, auth: &auth, limit: options.limit };

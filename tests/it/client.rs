@@ -218,19 +218,26 @@ async fn pull_since_an_export_starts_where_the_export_ends(pool: PgPool) {
     app.pass_safety_delay();
     let dir = tempfile::tempdir().unwrap();
     let (cursor_file, out) = (dir.path().join("tickets.cursor"), dir.path().join("changes.jsonl"));
-    let run = Command::new(client_binary())
-        .args(["pull", "--dataset", "tickets", "--since-export", &id, "--cursor-file"])
-        .arg(&cursor_file)
-        .arg("--out")
-        .arg(&out)
-        .env("EXPORTD_URL", app.url(""))
-        .env("EXPORTD_TOKEN", app.token("acme", "alice"))
-        .output()
-        .await
-        .unwrap();
+    let pull = || {
+        Command::new(client_binary())
+            .args(["pull", "--dataset", "tickets", "--since-export", &id, "--cursor-file"])
+            .arg(&cursor_file)
+            .arg("--out")
+            .arg(&out)
+            .env("EXPORTD_URL", app.url(""))
+            .env("EXPORTD_TOKEN", app.token("acme", "alice"))
+            .output()
+    };
+    let run = pull().await.unwrap();
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
     // The 600 exported records are not repeated; the change after the export arrives once.
     assert_eq!(String::from_utf8_lossy(&run.stdout).trim(), "1 change");
     let change: Value = serde_json::from_str(std::fs::read_to_string(&out).unwrap().trim()).unwrap();
     assert_eq!((change["op"].as_str(), change["key"].as_str()), (Some("upsert"), Some("after")));
+    // Run again, the cursor file now holds the position: the client says it ignores the export.
+    let again = pull().await.unwrap();
+    assert!(again.status.success());
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(stderr.contains(&format!("--since-export {id} ignored")) && stderr.contains("cursor file"), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&again.stdout).trim(), "0 changes");
 }
