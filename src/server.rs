@@ -79,10 +79,19 @@ where
 {
     let started = std::time::Instant::now();
     let mut delays = db::retry_delays();
+    let mut said = false;
     loop {
         match step().await {
             Err(e) if db::is_transient_chain(&e) && started.elapsed() < STARTUP_PATIENCE => {
-                tracing::warn!(error = format!("{e:#}"), "database not ready at start-up; trying again");
+                // Said once: the final error (if it comes to that) repeats the cause anyway.
+                if !said {
+                    tracing::warn!(
+                        error = format!("{e:#}"),
+                        patience_seconds = STARTUP_PATIENCE.as_secs(),
+                        "database not ready at start-up; trying again"
+                    );
+                    said = true;
+                }
                 tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(1))).await;
             }
             done => return done,
