@@ -32,7 +32,7 @@ enum Command {
         #[command(flatten)]
         settings: Settings,
         /// Address to listen on.
-        #[arg(long, env = "EXPORTD_LISTEN", default_value = "127.0.0.1:8080")]
+        #[arg(long, env = "EXPORTD_LISTEN", default_value = "127.0.0.1:8080", value_parser = listen_address)]
         listen: SocketAddr,
         /// In-process export workers (0 = API only; run `exportd worker` elsewhere).
         #[arg(long, env = "EXPORTD_WORKERS", default_value_t = 2)]
@@ -186,16 +186,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Token { settings, tenant, principal, ttl } => {
             let registry = Registry::load(&settings.tenants_dir)?;
-            let tenant = registry.get(&tenant).with_context(|| format!("no tenant `{tenant}`"))?;
+            let tenant = tenant_named(&registry, &tenant, &settings.tenants_dir)?;
             println!("{}", exportd::auth::mint(tenant, &principal, ttl)?);
             Ok(())
         }
         Command::Seed { settings, tenant, dataset, rows, start, seed } => {
             let (pool, registry) = exportd::server::prepare(&settings, 2).await?;
-            let tenant = registry.get(&tenant).with_context(|| format!("no tenant `{tenant}`"))?;
-            let schema = tenant
-                .dataset(&dataset)
-                .with_context(|| format!("tenant `{}` has no dataset `{dataset}`", tenant.id))?;
+            let tenant = tenant_named(&registry, &tenant, &settings.tenants_dir)?;
+            let schema = tenant.dataset(&dataset).with_context(|| {
+                let known: Vec<&str> = tenant.datasets.keys().map(|d| d.as_str()).collect();
+                format!("tenant `{}` has no dataset `{dataset}`; its datasets: {}", tenant.id, known.join(", "))
+            })?;
             let report = exportd::records::seed(&pool, &tenant.id, schema, start, rows, seed).await?;
             let rate = report.rows as f64 / (report.elapsed_ms.max(1) as f64 / 1000.0);
             println!(
@@ -205,4 +206,23 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// The tenant `name` of the registry, or an error listing those there are.
+fn tenant_named<'a>(
+    registry: &'a Registry,
+    name: &str,
+    dir: &std::path::Path,
+) -> anyhow::Result<&'a std::sync::Arc<exportd::tenants::Tenant>> {
+    registry.get(name).with_context(|| {
+        let known: Vec<&str> = registry.tenants().map(|t| t.id.as_str()).collect();
+        format!("no tenant `{name}` in {}; the tenants there: {}", dir.display(), known.join(", "))
+    })
+}
+
+/// `--listen`: an address and port, with an example when it is not one.
+fn listen_address(text: &str) -> Result<SocketAddr, String> {
+    text.parse().map_err(|_| {
+        "expected HOST:PORT, e.g. 127.0.0.1:8080 (this machine only) or 0.0.0.0:8080 (every interface)".to_owned()
+    })
 }

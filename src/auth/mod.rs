@@ -116,7 +116,12 @@ pub fn mint(tenant: &Tenant, principal: &str, ttl: Duration) -> anyhow::Result<S
 
 /// Signs a token with explicit times (tests use it for expired tokens).
 pub fn mint_at(tenant: &Tenant, principal: &str, iat: u64, exp: u64) -> anyhow::Result<String> {
-    anyhow::ensure!(tenant.principal(principal).is_some(), "tenant `{}` has no principal `{principal}`", tenant.id);
+    anyhow::ensure!(
+        tenant.principal(principal).is_some(),
+        "tenant `{}` has no principal `{principal}`; its principals: {}",
+        tenant.id,
+        tenant.principals.keys().map(|p| p.as_str()).collect::<Vec<_>>().join(", ")
+    );
     let key = &tenant.keys[0];
     let claims =
         Claims { tenant: tenant.id.to_string(), sub: principal.to_owned(), aud: AUDIENCE.to_owned(), iat, exp };

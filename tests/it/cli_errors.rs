@@ -67,3 +67,16 @@ fn no_token_is_printed_for_a_disabled_principal() {
     assert_eq!(code, Some(0));
     assert_eq!(stdout.trim().split('.').count(), 3, "a JWT: {stdout}");
 }
+
+#[test]
+fn unknown_names_are_answered_with_the_ones_there_are() {
+    let (code, _, stderr) = exportd(&["token", "--tenant", "acne", "--principal", "alice"], &[]);
+    assert_eq!(code, Some(1));
+    assert_plain(&stderr);
+    assert!(stderr.contains("no tenant `acne`") && stderr.contains("acme, globex"), "{stderr}");
+    let (_, _, stderr) = exportd(&["token", "--tenant", "acme", "--principal", "alise"], &[]);
+    assert!(stderr.contains("its principals: alice,"), "{stderr}");
+    let (code, _, stderr) = exportd(&["serve", "--listen", "8080"], &[]);
+    assert_eq!(code, Some(2));
+    assert!(stderr.contains("e.g. 127.0.0.1:8080"), "an example of what --listen takes: {stderr}");
+}
