@@ -147,7 +147,8 @@ impl ArtifactStore {
     }
 
     /// The store at `location`. Object storage keeps its multipart uploads in progress in
-    /// `pool`'s database; a store it cannot reach is reported, not fatal (it may come back).
+    /// `pool`'s database; a store it cannot reach is reported, not fatal (it may come back); one
+    /// that refuses the credentials is fatal, and so are missing credentials for an endpoint.
     pub async fn connect(location: &StorageLocation, pool: &PgPool) -> anyhow::Result<ArtifactStore> {
         let store = match location {
             StorageLocation::Local(dir) => ArtifactStore::open_local(dir)
@@ -155,8 +156,19 @@ impl ArtifactStore {
             StorageLocation::S3(config) => {
                 let s3 = S3::connect(config.clone(), pool.clone())
                     .map_err(|e| anyhow::anyhow!("EXPORTD_STORAGE s3://{}: {e}", config.bucket))?;
-                if let Err(e) = s3.probe().await {
-                    tracing::warn!(store = s3.describe(), error = %e, "the object store does not answer yet");
+                match s3.probe_raw().await {
+                    Ok(()) => {}
+                    // Wrong keys do not fix themselves: refuse to start rather than fail every export.
+                    Err(
+                        e
+                        @ (object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. }),
+                    ) => anyhow::bail!(
+                        "the object store {} denied access: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY \
+                         (and that they may read and write the bucket): {e}",
+                        s3.describe()
+                    ),
+                    // Unreachable may pass (a store starting up, a network blip): workers retry.
+                    Err(e) => tracing::warn!(store = s3.describe(), error = %e, "the object store does not answer yet"),
                 }
                 ArtifactStore::new(Backend::S3(s3))
             }

@@ -78,8 +78,15 @@ impl S3 {
         if let Some(endpoint) = &config.endpoint {
             builder = builder.with_endpoint(endpoint).with_allow_http(endpoint.starts_with("http://"));
         }
-        if let (Some(id), Some(secret)) = (&config.access_key_id, &config.secret_access_key) {
-            builder = builder.with_access_key_id(id).with_secret_access_key(secret);
+        match (&config.access_key_id, &config.secret_access_key) {
+            (Some(id), Some(secret)) => builder = builder.with_access_key_id(id).with_secret_access_key(secret),
+            // Without keys object_store asks the cloud's instance metadata (169.254.169.254),
+            // which an S3-compatible server elsewhere does not have: say what to set instead.
+            _ if config.endpoint.is_some() => anyhow::bail!(
+                "no credentials for the object store at {}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+                config.endpoint.as_deref().unwrap_or_default()
+            ),
+            _ => {}
         }
         Ok(S3 { store: Arc::new(builder.build()?), config: Arc::new(config), pool })
     }
@@ -107,9 +114,14 @@ impl S3 {
 
     /// A cheap authenticated request, so a wrong endpoint or credentials show at start-up.
     pub(super) async fn probe(&self) -> StoreResult<()> {
+        self.probe_raw().await.map_err(Into::into)
+    }
+
+    /// [`S3::probe`] with object_store's own error, whose kind says whether access was denied.
+    pub(super) async fn probe_raw(&self) -> Result<(), object_store::Error> {
         match self.store.head(&self.path("exportd-probe")).await {
             Ok(_) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(e),
         }
     }
 

@@ -494,3 +494,24 @@ async fn a_hanging_store_is_answered_with_503_and_shown_by_healthz(pool: PgPool)
     let whole = get(&app, &format!("/v1/exports/{id}/file"), None).await.bytes().await.unwrap();
     assert_eq!(sha256(&whole), manifest["file"]["sha256"]);
 }
+
+/// Credentials the store refuses stop start-up with what to check; no credentials for an
+/// S3-compatible endpoint say what to set (instead of asking the cloud's instance metadata).
+#[sqlx::test(migrations = "./migrations")]
+async fn a_store_that_refuses_the_credentials_stops_start_up_saying_what_to_check(pool: PgPool) {
+    use exportd::storage::ArtifactStore;
+    let wrong = exportd::storage::S3Config {
+        secret_access_key: Some("not-the-secret".into()),
+        ..crate::common::s3_config("refused")
+    };
+    let Err(error) = ArtifactStore::connect(&StorageLocation::S3(wrong), &pool).await else { panic!("refused") };
+    let message = format!("{error:#}");
+    assert!(message.contains("denied access") && message.contains("AWS_SECRET_ACCESS_KEY"), "{message}");
+    assert!(!message.contains("not-the-secret"), "the secret is never repeated: {message}");
+    let none =
+        exportd::storage::S3Config { access_key_id: None, secret_access_key: None, ..crate::common::s3_config("none") };
+    let Err(error) = ArtifactStore::connect(&StorageLocation::S3(none), &pool).await else { panic!("refused") };
+    let message = format!("{error:#}");
+    assert!(message.contains("no credentials") && message.contains("AWS_ACCESS_KEY_ID"), "{message}");
+    assert!(!message.contains("169.254"), "{message}");
+}
