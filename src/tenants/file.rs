@@ -258,13 +258,17 @@ fn unknown_dataset(name: &DatasetName, schemas: &BTreeMap<DatasetName, Arc<Datas
 
 fn parse<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|e| error(path, "", format!("cannot read: {e}")))?;
-    toml::from_str(&text).map_err(|e| {
-        // toml's message names the key ("unknown field `x`", "missing field `y`"); add the line.
-        let message = match e.span() {
-            Some(span) => format!("{} (line {})", e.message(), text[..span.start].matches('\n').count() + 1),
-            None => e.message().to_owned(),
-        };
-        ConfigError { file: path.to_owned(), field: String::new(), message }
+    // toml's message names the key of an unknown or missing field, not the one holding a value
+    // of the wrong type: serde_path_to_error tracks where the deserializer was ("quota.x").
+    let located = |e: &toml::de::Error| match e.span() {
+        Some(span) => format!("{} (line {})", e.message(), text[..span.start].matches('\n').count() + 1),
+        None => e.message().to_owned(),
+    };
+    let deserializer = toml::Deserializer::parse(&text).map_err(|e| error(path, "", located(&e)))?;
+    serde_path_to_error::deserialize(deserializer).map_err(|e| {
+        let field = e.path().to_string();
+        let field = if field == "." { String::new() } else { field };
+        ConfigError { file: path.to_owned(), field, message: located(e.inner()) }
     })
 }
 

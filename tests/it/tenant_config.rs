@@ -69,6 +69,7 @@ fn each_mistake_names_the_file_and_the_field() {
         ("bad role", GOOD.replace("role = \"admin\"", "role = \"root\""), "unknown variant `root`"),
         ("id differs from the file name", GOOD.replace("id = \"acme\"", "id = \"other\""), ": id: must match the file name"),
         ("zero rate", format!("{GOOD}\n[quota]\napi_requests_per_second = 0\n"), "quota.api_requests_per_second"),
+        ("a value of the wrong type", format!("{GOOD}\n[quota]\nmax_running_exports = \"two\"\n"), "quota.max_running_exports: invalid type"),
         ("duplicate principal", format!("{GOOD}\n[[principals]]\nid = \"alice\"\nrole = \"admin\"\n"), "principals[2].id"),
         ("webhook URL not http(s)", format!("{GOOD}{}", hook("ftp://hooks.example.com/x", "[\"export.succeeded\"]", "secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"")), "webhooks[0].url"),
         ("webhook URL with credentials", format!("{GOOD}{}", hook("https://u:p@hooks.example.com/x", "[\"export.succeeded\"]", "secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"")), "webhooks[0].url: must not carry credentials"),
