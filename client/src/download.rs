@@ -77,7 +77,8 @@ pub async fn download(options: &DownloadOptions) -> anyhow::Result<Vec<PathBuf>>
         let (client, bars) = (client.clone(), bars.clone());
         async move { fetch(&client, base, options, &target, &bars).await }
     }))
-    .buffer_unordered(options.parallel.max(1))
+    // In manifest order, however they finish: the paths print in the order of the shards.
+    .buffered(options.parallel.max(1))
     .collect::<Vec<_>>()
     .await;
     results.into_iter().collect()
@@ -103,12 +104,16 @@ async fn fetch(
     }
     let bar = bars.add(ProgressBar::new(entry.bytes));
     bar.set_style(
-        ProgressStyle::with_template("{msg:24!} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} {eta}")
+        // 79 columns at most: one line per file in an 80-column terminal.
+        ProgressStyle::with_template("{msg:20!} [{bar:20}] {bytes:>9}/{total_bytes:<9} {bytes_per_sec:>11} {eta:>3}")
             .expect("a valid template")
             .progress_chars("=> "),
     );
     bar.set_message(entry.name.clone());
+    // Resumed bytes were already on disk: the speed counts only what arrives from now on.
     bar.set_position(have);
+    bar.tick();
+    bar.reset_eta();
     if have < entry.bytes {
         let etag = format!("\"{}\"", entry.sha256);
         let mut request =

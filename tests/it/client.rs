@@ -103,6 +103,11 @@ async fn shards_download_in_parallel_and_match_the_manifest(pool: PgPool) {
     for shard in shards {
         assert_eq!(sha256_of(&out.path().join(shard["name"].as_str().unwrap())), shard["sha256"]);
     }
+    // The paths print in the manifest's order, whichever shard finished first.
+    let printed: Vec<String> = String::from_utf8_lossy(&run.stdout).lines().map(str::to_owned).collect();
+    let expected: Vec<String> =
+        shards.iter().map(|s| out.path().join(s["name"].as_str().unwrap()).display().to_string()).collect();
+    assert_eq!(printed, expected);
 }
 
 #[sqlx::test(migrations = "./migrations")]
