@@ -25,6 +25,18 @@ pg_run() {
   if [ "$(id -u)" = 0 ]; then (cd / && runuser -u postgres -- "$@"); else "$@"; fi
 }
 
+# A database name of this checkout's own (prefix and a hash of its path): two clones running
+# their scripts on one server never share, or drop, each other's databases.
+checkout_database() { # prefix
+  printf '%s_%s' "$1" "$(printf '%s' "$PWD" | sha256sum | cut -c1-8)"
+}
+
+# Drops a database of a script that is done with it, so a run leaves nothing behind.
+drop_database() { # name
+  PGOPTIONS="-c client_min_messages=warning" "$(pg_bindir)/psql" -q "$PG_SERVER_URL/postgres" \
+    -c "DROP DATABASE IF EXISTS \"$1\" WITH (FORCE)"
+}
+
 pg_answers() { # url
   "$(pg_bindir)/pg_isready" -q -d "$1" -t 3 >/dev/null 2>&1
 }
