@@ -86,7 +86,7 @@ struct Connections {
 
 /// One client connection as the accept loop tracks it.
 struct Connection {
-    /// Told to drop the connection (evicted, or its download stalled).
+    /// Told to drop the connection (evicted to make room).
     close: Notify,
     /// Holds one of `Connections::open` until released.
     counted: AtomicBool,
@@ -172,7 +172,7 @@ impl Drop for Open {
 /// The client socket, noting when it accepts bytes.
 struct Noting<S> {
     socket: S,
-    connection: Arc<Connection>,
+    progress: Arc<SendProgress>,
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Noting<S> {
@@ -214,7 +214,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Noting<S> {
 impl<S> Noting<S> {
     fn noted(&self, written: &Poll<std::io::Result<usize>>) {
         if matches!(written, Poll::Ready(Ok(n)) if *n > 0) {
-            self.connection.progress.wrote();
+            self.progress.wrote();
         }
     }
 }
@@ -286,7 +286,7 @@ pub async fn serve(
             if !first_byte {
                 return;
             }
-            let socket = Noting { socket: stream, connection: open.connection.clone() };
+            let socket = Noting { socket: stream, progress: open.connection.progress.clone() };
             let (requests, responses) = (open.connections.clone(), open.connections.clone());
             let (busy, idle_again) = (open.connection.clone(), open.connection.clone());
             let app = app

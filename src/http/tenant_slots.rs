@@ -13,7 +13,7 @@ use axum::RequestExt;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
-use axum::http::header::{AUTHORIZATION, CONTENT_LENGTH, TRANSFER_ENCODING};
+use axum::http::header::{CONTENT_LENGTH, TRANSFER_ENCODING};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use bytes::BytesMut;
@@ -26,8 +26,7 @@ use crate::auth::Caller;
 /// Who a request's credential names — a valid bearer token or download link — if anyone.
 /// Invalid credentials pass through untouched: the handler refuses them.
 fn requesting_caller(state: &AppState, request: &Request) -> Option<Caller> {
-    let bearer = request.headers().get(AUTHORIZATION).and_then(|v| v.to_str().ok());
-    if let Some(token) = bearer.and_then(|h| h.split_once(' ')).map(|(_, token)| token.trim()) {
+    if let Some(token) = super::extract::bearer_token_of(request.headers()) {
         return crate::auth::authenticate(&state.registry, token).ok();
     }
     let link = request.uri().query()?.split('&').find_map(|pair| pair.strip_prefix("token="))?;

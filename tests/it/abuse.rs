@@ -39,18 +39,29 @@ async fn start_server(app: &TestApp) -> Server {
 
 /// Sequential requests of a well-behaved tenant for `during`: latencies and errors.
 async fn well_behaved(base: &str, token: &str, during: Duration) -> (Vec<Duration>, usize) {
-    let client = reqwest::Client::new();
-    let (mut latencies, mut errors) = (Vec::new(), 0);
+    let request = |client: &reqwest::Client| client.get(format!("{base}/v1/datasets")).bearer_auth(token);
+    timed(reqwest::Client::new(), request, during, Duration::from_millis(20)).await
+}
+
+/// `request` sent again and again for `during`, `pause` apart: the latencies of its 200s and
+/// how many were anything else.
+async fn timed(
+    client: reqwest::Client,
+    request: impl Fn(&reqwest::Client) -> reqwest::RequestBuilder,
+    during: Duration,
+    pause: Duration,
+) -> (Vec<Duration>, usize) {
+    let (mut latencies, mut failures) = (Vec::new(), 0);
     let start = Instant::now();
     while start.elapsed() < during {
         let sent = Instant::now();
-        match client.get(format!("{base}/v1/datasets")).bearer_auth(token).send().await {
+        match request(&client).send().await {
             Ok(r) if r.status() == 200 => latencies.push(sent.elapsed()),
-            _ => errors += 1,
+            _ => failures += 1,
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(pause).await;
     }
-    (latencies, errors)
+    (latencies, failures)
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -242,18 +253,9 @@ async fn a_hostile_partner_does_not_hurt_another_tenant(pool: PgPool) {
 
 /// `/healthz` from a fresh connection for `during`: latencies and failures.
 async fn probes(base: &str, during: Duration) -> (Vec<Duration>, usize) {
-    let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
-    let (mut latencies, mut failures) = (Vec::new(), 0);
-    let start = Instant::now();
-    while start.elapsed() < during {
-        let sent = Instant::now();
-        match client.get(format!("{base}/healthz")).send().await {
-            Ok(r) if r.status() == 200 => latencies.push(sent.elapsed()),
-            _ => failures += 1,
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    (latencies, failures)
+    let fresh_connections = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let request = |client: &reqwest::Client| client.get(format!("{base}/healthz"));
+    timed(fresh_connections, request, during, Duration::from_millis(200)).await
 }
 
 #[sqlx::test(migrations = "./migrations")]

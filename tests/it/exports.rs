@@ -535,16 +535,6 @@ async fn an_empty_dataset_exports_one_header_only_shard(pool: PgPool) {
     );
 }
 
-async fn estimate(app: &TestApp, token: &str, body: &Value) -> reqwest::Response {
-    app.client.post(app.url("/v1/exports/estimate")).bearer_auth(token).json(body).send().await.unwrap()
-}
-
-async fn estimated(app: &TestApp, token: &str, body: &Value) -> Value {
-    let response = estimate(app, token, body).await;
-    assert_eq!(response.status(), 200);
-    response.json().await.unwrap()
-}
-
 async fn live_count(pool: &PgPool, condition: &str) -> u64 {
     let sql =
         format!("SELECT count(*) FROM record_versions WHERE closed_xid IS NULL AND data IS NOT NULL AND {condition}");
@@ -557,7 +547,7 @@ async fn an_estimate_counts_a_small_dataset_exactly_and_creates_nothing(pool: Pg
     app.seed("acme", "tickets", 300).await;
     let (admin, partner) = (app.token("acme", "alice"), app.token("acme", "zenpartner"));
     let body = json!({"dataset": "tickets", "format": "csv", "shard_rows": 100});
-    let guess = estimated(&app, &admin, &body).await;
+    let guess = app.estimated(&admin, &body).await;
     assert_eq!(guess["estimate"], true);
     assert_eq!(guess["rows"], json!({"value": 300, "low": 300, "high": 300, "method": "counted"}));
     assert_eq!(guess["shards"], 3);
@@ -573,9 +563,9 @@ async fn an_estimate_counts_a_small_dataset_exactly_and_creates_nothing(pool: Pg
     let queued: Value = app.get(Some(&admin), &format!("/v1/exports/{id}")).await.json().await.unwrap();
     assert_eq!(queued["progress"]["rows_total_estimate"], 300, "counted at creation");
     assert_eq!(queued["progress"]["eta_seconds"], Value::Null, "no ETA before it runs");
-    let ahead = estimated(&app, &admin, &body).await;
+    let ahead = app.estimated(&admin, &body).await;
     assert_eq!(ahead["duration"]["exports_ahead"], 1);
-    let partner_view = estimated(&app, &partner, &json!({"dataset": "tickets", "format": "csv"})).await;
+    let partner_view = app.estimated(&partner, &json!({"dataset": "tickets", "format": "csv"})).await;
     assert_eq!(partner_view["duration"]["exports_ahead"], 0, "a partner counts only its own exports");
     app.drain().await;
     let done: Value = app.get(Some(&admin), &format!("/v1/exports/{id}")).await.json().await.unwrap();
@@ -594,19 +584,19 @@ async fn an_estimate_counts_a_small_dataset_exactly_and_creates_nothing(pool: Pg
 
     // Filters and a partner's row filter are counted as the export would apply them.
     let open =
-        estimated(&app, &admin, &json!({"dataset": "tickets", "format": "jsonl", "filter": {"status": "open"}})).await;
+        app.estimated(&admin, &json!({"dataset": "tickets", "format": "jsonl", "filter": {"status": "open"}})).await;
     assert_eq!(open["rows"]["value"], live_count(&app.pool, "data->>'status' = 'open'").await);
     let emea = partner_view["rows"]["value"].as_u64().unwrap();
     assert_eq!(emea, live_count(&app.pool, "data->>'region' = 'emea'").await);
     assert!(emea > 0 && emea < 300);
 
     // Refused like a create, naming the field.
-    let unknown = estimate(&app, &admin, &json!({"dataset": "nope", "format": "csv"})).await;
+    let unknown = app.estimate(&admin, &json!({"dataset": "nope", "format": "csv"})).await;
     assert_eq!(unknown.status(), 400);
     assert_eq!(problem(unknown).await["field"], "dataset");
-    let column = estimate(&app, &admin, &json!({"dataset": "tickets", "format": "csv", "columns": ["nope"]})).await;
+    let column = app.estimate(&admin, &json!({"dataset": "tickets", "format": "csv", "columns": ["nope"]})).await;
     assert_eq!(problem(column).await["field"], "columns[0]");
-    let not_granted = estimate(&app, &partner, &json!({"dataset": "contacts", "format": "csv"})).await;
+    let not_granted = app.estimate(&partner, &json!({"dataset": "contacts", "format": "csv"})).await;
     assert_eq!(not_granted.status(), 403);
 }
 
@@ -623,7 +613,7 @@ async fn a_large_dataset_is_sampled_and_the_truth_lies_in_the_interval(pool: PgP
             "tenant = 'acme' AND data->>'status' = 'open'",
         ),
     ] {
-        let guess = estimated(&app, &admin, &body).await;
+        let guess = app.estimated(&admin, &body).await;
         let truth = live_count(&app.pool, condition).await;
         let rows = &guess["rows"];
         assert_eq!(rows["method"], "sampled", "{guess}");
@@ -664,11 +654,11 @@ async fn a_running_export_reports_its_total_and_eta_and_estimates_learn_from_fin
         assert!(steps < 10, "two shards and a publish");
     }
 
-    let guess = estimated(&app, &admin, &body).await;
+    let guess = app.estimated(&admin, &body).await;
     assert_eq!(guess["duration"]["method"], "recent_exports_of_dataset");
     let rate = guess["duration"]["rows_per_second"].as_u64().unwrap();
     assert!(rate < 200, "measured on the export that ran at about 12 000 rows in 100 s: {rate}");
-    let contacts = estimated(&app, &admin, &json!({"dataset": "contacts", "format": "csv"})).await;
+    let contacts = app.estimated(&admin, &json!({"dataset": "contacts", "format": "csv"})).await;
     assert_eq!(contacts["duration"]["method"], "recent_exports_of_tenant");
 }
 
@@ -690,19 +680,13 @@ async fn an_incremental_estimate_counts_the_keys_changed_since_the_cursor(pool: 
             .await
             .unwrap();
     }
-    let guess = estimated(
-        &app,
-        &admin,
-        &json!({"dataset": "tickets", "format": "jsonl", "mode": "incremental", "since": cursor}),
-    )
-    .await;
+    let guess = app
+        .estimated(&admin, &json!({"dataset": "tickets", "format": "jsonl", "mode": "incremental", "since": cursor}))
+        .await;
     assert_eq!(guess["rows"], json!({"value": 25, "low": 25, "high": 25, "method": "changes_counted"}));
-    let bad = estimate(
-        &app,
-        &admin,
-        &json!({"dataset": "tickets", "format": "jsonl", "mode": "incremental", "since": "nope"}),
-    )
-    .await;
+    let bad = app
+        .estimate(&admin, &json!({"dataset": "tickets", "format": "jsonl", "mode": "incremental", "since": "nope"}))
+        .await;
     assert_eq!(bad.status(), 400);
     assert_eq!(problem(bad).await["field"], "since");
 }
@@ -721,27 +705,10 @@ async fn a_tenant_runs_one_estimate_at_a_time_and_the_next_is_refused_at_once(po
             (app.client.clone(), app.url("/v1/exports/estimate"), token.to_owned(), body.clone());
         tokio::spawn(async move { client.post(url).bearer_auth(token).json(&body).send().await.unwrap() })
     };
-    let waiting_for_the_store = |n: i64| {
-        let pool = app.pool.clone();
-        async move {
-            for _ in 0..1000 {
-                let waiting: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM pg_locks WHERE relation = 'record_versions'::regclass AND NOT granted",
-                )
-                .fetch_one(&pool)
-                .await
-                .unwrap();
-                if waiting >= n {
-                    return;
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-            }
-            panic!("{n} estimates did not reach the lock");
-        }
-    };
+    let waiting_for_the_store = |n: i64| crate::common::wait_for_lock_waiters(&app.pool, "record_versions", n);
     let first = spawn_estimate(&acme);
     waiting_for_the_store(1).await;
-    let second = estimate(&app, &acme, &body).await;
+    let second = app.estimate(&acme, &body).await;
     assert_eq!(second.status(), 429);
     assert_eq!(second.headers()["retry-after"], "1");
     assert_eq!(problem(second).await["code"], "estimate-in-progress");
@@ -750,7 +717,7 @@ async fn a_tenant_runs_one_estimate_at_a_time_and_the_next_is_refused_at_once(po
     blocker.rollback().await.unwrap();
     assert_eq!(other_tenant.await.unwrap().status(), 200);
     assert_eq!(first.await.unwrap().status(), 200);
-    assert_eq!(estimate(&app, &acme, &body).await.status(), 200, "the slot came back");
+    assert_eq!(app.estimate(&acme, &body).await.status(), 200, "the slot came back");
 }
 
 #[sqlx::test(migrations = "./migrations")]

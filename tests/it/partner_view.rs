@@ -2,17 +2,10 @@
 //! say nothing that depends on records, tenants or principals it cannot see; its artefacts cut
 //! under an old filter are all refused alike.
 
-use serde_json::{Value, json};
+use serde_json::json;
 use sqlx::PgPool;
 
 use crate::common::{TestApp, full_csv, problem};
-
-async fn estimated(app: &TestApp, token: &str, body: &Value) -> Value {
-    let response = app.client.post(app.url("/v1/exports/estimate")).bearer_auth(token).json(body).send().await;
-    let response = response.unwrap();
-    assert_eq!(response.status(), 200);
-    response.json().await.unwrap()
-}
 
 async fn upsert(pool: &PgPool, key: &str, region: &str) {
     let data = json!({"subject": "s", "status": "open", "region": region});
@@ -52,7 +45,7 @@ async fn an_incremental_estimate_counts_what_the_partners_feed_delivers(pool: Pg
         .unwrap();
     upsert(&app.pool, "emea-2", "emea").await;
     let body = json!({"dataset": "tickets", "format": "jsonl", "mode": "incremental", "since": cursor});
-    let guess = estimated(&app, &partner, &body).await;
+    let guess = app.estimated(&partner, &body).await;
     app.pass_safety_delay();
     app.tick().await;
     let (changes, _) = app.pull_all(&partner, "tickets", &cursor, 100).await;
@@ -69,16 +62,16 @@ async fn a_partners_estimate_does_not_depend_on_what_it_cannot_see(pool: PgPool)
     app.seed("acme", "tickets", 5).await;
     let partner = app.token("acme", "zenpartner");
     let nothing = json!({"dataset": "tickets", "format": "csv", "filter": {"status": "no-such-status"}});
-    let small = estimated(&app, &partner, &nothing).await;
+    let small = app.estimated(&partner, &nothing).await;
     // The admin's big exports, and many hidden records, make no difference to the partner.
     app.seed("acme", "tickets", 60_000).await;
     app.seed("globex", "tickets", 20_000).await;
     let admin = app.token("acme", "alice");
     app.export(&admin, &json!({"dataset": "tickets", "format": "csv"})).await;
     app.drain().await;
-    let admin_view = estimated(&app, &admin, &json!({"dataset": "tickets", "format": "csv"})).await;
+    let admin_view = app.estimated(&admin, &json!({"dataset": "tickets", "format": "csv"})).await;
     assert_eq!(admin_view["duration"]["method"], "recent_exports_of_dataset");
-    let big = estimated(&app, &partner, &nothing).await;
+    let big = app.estimated(&partner, &nothing).await;
     assert_eq!(big["rows"], small["rows"], "same answer with 60 000 more hidden records: {small} {big}");
     assert_eq!(big["rows"]["method"], "estimated");
     assert_eq!(big["duration"]["method"], "default_rate", "other principals' exports are not the partner's rate");
@@ -96,18 +89,7 @@ async fn a_partners_estimates_never_take_the_admins_turn(pool: PgPool) {
     let (client, url, token, held) =
         (app.client.clone(), app.url("/v1/exports/estimate"), partner.clone(), body.clone());
     let partners = tokio::spawn(async move { client.post(url).bearer_auth(token).json(&held).send().await.unwrap() });
-    for _ in 0..1000 {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_locks WHERE relation = 'record_versions'::regclass AND NOT granted",
-        )
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-        if waiting >= 1 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
+    crate::common::wait_for_lock_waiters(&app.pool, "record_versions", 1).await;
     let partners_second = app.client.post(app.url("/v1/exports/estimate")).bearer_auth(&partner).json(&body);
     let refused = partners_second.send().await.unwrap();
     assert_eq!(refused.status(), 429, "one census at a time per principal");

@@ -324,6 +324,18 @@ impl TestApp {
         request.send().await.expect("request sent")
     }
 
+    /// `POST /v1/exports/estimate`.
+    pub async fn estimate(&self, token: &str, body: &Value) -> reqwest::Response {
+        self.client.post(self.url("/v1/exports/estimate")).bearer_auth(token).json(body).send().await.unwrap()
+    }
+
+    /// An estimate that must be answered; its body.
+    pub async fn estimated(&self, token: &str, body: &Value) -> Value {
+        let response = self.estimate(token, body).await;
+        assert_eq!(response.status(), 200);
+        response.json().await.unwrap()
+    }
+
     pub async fn ingest(&self, token: &str, dataset: &str, body: &Value) -> reqwest::Response {
         self.client
             .post(self.url(&format!("/v1/datasets/{dataset}/records")))
@@ -397,6 +409,23 @@ pub async fn hold_record(pool: &PgPool, key: &str) -> (sqlx::Transaction<'static
         .await
         .unwrap();
     (host, pid)
+}
+
+/// Waits until `count` lock requests on table `relation` wait (`pg_locks`, not a guessed sleep).
+pub async fn wait_for_lock_waiters(pool: &PgPool, relation: &str, count: i64) {
+    for _ in 0..1000 {
+        let waiting: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE relation = $1::regclass AND NOT granted")
+                .bind(relation)
+                .fetch_one(pool)
+                .await
+                .unwrap();
+        if waiting >= count {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("{count} lock requests on {relation} did not wait within 5 s");
 }
 
 /// Waits until `count` backends wait on a lock that backend `holder` holds.
