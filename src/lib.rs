@@ -24,3 +24,6 @@ pub mod tenants;
 pub mod usage;
 pub mod webhooks;
 pub mod writers;
+
+/// This build's version, as recorded on the exports it creates.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -1,5 +1,5 @@
 //! `exportd download <export-id> --out DIR`: reads the manifest, downloads the whole file (or the
-//! shards, several at a time), resumes `.part` files with `Range` + `If-Range`, restarts a file
+//! shards, several at a time; always the shards for formats without a whole file, like Parquet), resumes `.part` files with `Range` + `If-Range`, restarts a file
 //! whose validator changed, and verifies every sha256 against the manifest.
 
 use std::path::{Path, PathBuf};
@@ -20,7 +20,8 @@ pub struct DownloadOptions {
     pub token: String,
     pub export_id: String,
     pub out: PathBuf,
-    /// Download the shards instead of the whole file.
+    /// Download the shards instead of the whole file (formats without one, like Parquet,
+    /// always download their shards).
     pub shards: bool,
     /// Shards downloaded at once (implies `shards` when above 1).
     pub parallel: usize,
@@ -31,7 +32,8 @@ pub struct DownloadOptions {
 
 #[derive(Deserialize)]
 struct Manifest {
-    file: Entry,
+    /// Absent for formats whose shards do not splice into one file (Parquet).
+    file: Option<Entry>,
     shards: Vec<Entry>,
 }
 
@@ -58,15 +60,16 @@ pub async fn download(options: &DownloadOptions) -> anyhow::Result<Vec<PathBuf>>
     let manifest: Manifest =
         serde_json::from_slice(&ok(response).await.context("fetching the manifest")?.bytes().await?)
             .context("reading the manifest")?;
-    let targets: Vec<Target> = if options.shards || options.parallel > 1 {
-        (manifest.shards.iter().enumerate())
+    let targets: Vec<Target> = match manifest.file {
+        Some(file) if !options.shards && options.parallel <= 1 => {
+            vec![Target { entry: file, path: format!("/v1/exports/{}/file", options.export_id) }]
+        }
+        _ => (manifest.shards.iter().enumerate())
             .map(|(n, entry)| Target {
                 entry: entry.clone(),
                 path: format!("/v1/exports/{}/shards/{n}", options.export_id),
             })
-            .collect()
-    } else {
-        vec![Target { entry: manifest.file.clone(), path: format!("/v1/exports/{}/file", options.export_id) }]
+            .collect(),
     };
     tokio::fs::create_dir_all(&options.out).await.with_context(|| format!("creating {}", options.out.display()))?;
     let bars = MultiProgress::new();

@@ -29,7 +29,7 @@ enum Command {
         out: PathBuf,
         #[command(flatten)]
         server: ServerArgs,
-        /// Fetch the shard files instead of the whole file.
+        /// Fetch the shard files instead of the whole file (Parquet exports: always).
         #[arg(long)]
         shards: bool,
         /// Shards fetched at once (above 1 implies --shards).

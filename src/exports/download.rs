@@ -52,12 +52,7 @@ pub async fn open(pool: &sqlx::PgPool, caller: &Caller, id: Uuid, object: Object
     let shards = super::store::shards::all(pool, id).await?;
     let extension = job.format.extension();
     let (layout, sha256, filename) = match object {
-        Object::File if !job.format.spec().spliceable => {
-            return Err(ExportError::NotImplemented {
-                field: "file",
-                detail: "this format's shards do not splice into one file: download the shards",
-            });
-        }
+        Object::File if !job.format.spec().spliceable() => return Err(ExportError::NoWholeFile(job.format)),
         Object::File => (
             Layout::whole_file(&shards),
             job.file_sha256.clone().unwrap_or_default(),

@@ -7,11 +7,11 @@ use sqlx::PgPool;
 
 use super::incremental::{self, FeedContext};
 use super::store::facts;
-use super::{ExportError, ExportRequest, ExportSpec, Mode, with_op};
+use super::{ExportError, ExportRequest, ExportSpec, FileFacts, Mode, with_op};
 use crate::auth::Caller;
 use crate::records::Record;
 use crate::records::census::{self, Census, Count};
-use crate::writers::{Codec, Format, OutputColumn, ShardWriter, gzip};
+use crate::writers::{ShardDigest, ShardSpec, ShardWriter};
 
 /// Records encoded to measure bytes per row, and the bytes they may hold.
 const SAMPLE_ROWS: i64 = 1000;
@@ -49,10 +49,14 @@ pub struct RowsEstimate {
 
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct BytesEstimate {
-    /// The whole file decompressed (CSV or JSONL text).
-    pub uncompressed: u64,
-    /// The whole file as downloaded (gzip).
-    pub gzip: u64,
+    /// Everything to download: the whole file (csv, jsonl) or every shard file (parquet).
+    pub download: u64,
+    /// csv and jsonl: the whole file decompressed (CSV or JSONL text).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uncompressed: Option<u64>,
+    /// csv and jsonl: the whole file as downloaded (gzip), the same as `download`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gzip: Option<u64>,
     /// `sample_encoded`: this many sampled records written by the export's encoder and compressor.
     pub method: &'static str,
     pub sample_rows: u64,
@@ -83,8 +87,8 @@ pub async fn estimate(
 ) -> Result<Estimate, ExportError> {
     let spec = ExportSpec::validate(request, caller)?;
     let (count, sample, method) = census_of(pool, caller, &spec, request, feed).await?;
-    let bytes = encoded_size(spec.format, &spec.columns, &sample, count.rows, spec.mode);
     let shards = count.rows.div_ceil(u64::from(spec.shard_rows)).max(1);
+    let bytes = encoded_size(&spec, &sample, count.rows, shards);
     let duration = duration(pool, caller, &spec, count.rows).await?;
     Ok(Estimate {
         estimate: true,
@@ -156,28 +160,55 @@ fn value_interval(rows: u64) -> Count {
     Count { rows, low: rows.saturating_sub(margin), high: rows + margin, sampled: true }
 }
 
-/// The file's size if `rows` records like `sample` were exported: the sample's encoded and
-/// compressed size per row, plus the format's head once and the gzip framing.
-fn encoded_size(format: Format, columns: &[OutputColumn], sample: &[Record], rows: u64, mode: Mode) -> BytesEstimate {
-    let mut writer =
-        ShardWriter::new(std::io::sink(), format, Codec::CURRENT, columns.to_vec()).expect("writing to a sink");
-    for record in sample {
-        let data = match mode {
-            Mode::Full => record.data.clone(),
-            Mode::Incremental if record.data == "{}" => with_op("delete", "{}"),
-            Mode::Incremental => with_op("upsert", &record.data),
-        };
-        // A record the encoder refuses would fail the export too; it is left out of the sample.
-        let _ = writer.write_row(&record.key, &data);
-    }
-    let (_, digest) = writer.finish().expect("writing to a sink");
-    let per_row = |total: u64| if digest.rows == 0 { 0.0 } else { total as f64 / digest.rows as f64 };
-    let framing = 10 + gzip::SHARD_TAIL_BYTES;
+/// The export's size if `rows` records like `sample` were exported in `files` shard files: the
+/// sample written by the export's own writer, once whole and once its first half, gives the
+/// bytes each row adds and what a file has besides (the gzip framing and CSV header, once for
+/// the whole file; each Parquet shard's header, column chunks' metadata and footer).
+fn encoded_size(spec: &ExportSpec, sample: &[Record], rows: u64, files: u64) -> BytesEstimate {
+    let shard_spec = ShardSpec {
+        format: spec.format,
+        codec: spec.format.spec().codec,
+        columns: spec.columns.clone(),
+        sorted_by_key: spec.mode == Mode::Full,
+        metadata: super::file_metadata(&FileFacts {
+            export_id: uuid::Uuid::nil(),
+            dataset: spec.dataset.as_str(),
+            mode: spec.mode,
+            watermark: "0:0:",
+            schema_sha256: &spec.schema_sha256,
+            exportd_version: crate::VERSION,
+            columns: &spec.columns,
+        }),
+    };
+    let write = |records: &[Record]| -> ShardDigest {
+        let mut writer = ShardWriter::new(std::io::sink(), &shard_spec).expect("writing to a sink");
+        for record in records {
+            let data = match spec.mode {
+                Mode::Full => record.data.clone(),
+                Mode::Incremental if record.data == "{}" => with_op("delete", "{}"),
+                Mode::Incremental => with_op("upsert", &record.data),
+            };
+            // A record the encoder refuses would fail the export too; it is left out of the sample.
+            let _ = writer.write_row(&record.key, &data);
+        }
+        writer.finish().expect("writing to a sink").1
+    };
+    let (full, half) = (write(sample), write(&sample[..sample.len() / 2]));
+    let per_row = |total: u64, fewer: u64| {
+        if full.rows == half.rows { 0.0 } else { total.saturating_sub(fewer) as f64 / (full.rows - half.rows) as f64 }
+    };
+    let row_bytes = per_row(full.bytes, half.bytes);
+    let fixed = (full.bytes as f64 - row_bytes * full.rows as f64).max(0.0);
+    let spliceable = spec.format.spec().spliceable();
+    let fixed_files = if spliceable { 1 } else { files };
+    let download = (fixed_files as f64 * fixed + row_bytes * rows as f64).round() as u64;
+    let raw_row_bytes = per_row(full.body.raw_len, half.body.raw_len);
     BytesEstimate {
-        uncompressed: digest.head.raw_len + (per_row(digest.body.raw_len) * rows as f64).round() as u64,
-        gzip: framing + digest.head.compressed_len + (per_row(digest.body.compressed_len) * rows as f64).round() as u64,
+        download,
+        uncompressed: spliceable.then(|| full.head.raw_len + (raw_row_bytes * rows as f64).round() as u64),
+        gzip: spliceable.then_some(download),
         method: "sample_encoded",
-        sample_rows: digest.rows,
+        sample_rows: full.rows,
     }
 }
 

@@ -6,10 +6,11 @@ use futures_util::stream::{BoxStream, StreamExt, TryStreamExt};
 use sha2::{Digest, Sha256};
 
 use crate::storage::{ArtifactStore, ObjectKey, StoreResult};
+use crate::writers::ColumnStats;
 use crate::writers::gzip::{FINAL_BLOCK, GZIP_HEADER, Part, trailer};
 
 /// A shard file as checkpointed by the worker that wrote it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ShardRecord {
     pub shard_index: i32,
     pub first_key: Option<String>,
@@ -24,6 +25,8 @@ pub struct ShardRecord {
     pub body_bytes: i64,
     pub body_crc32: i64,
     pub body_raw_bytes: i64,
+    /// Self-contained files: the footer's column statistics.
+    pub stats: Option<sqlx::types::Json<Vec<ColumnStats>>>,
 }
 
 impl ShardRecord {

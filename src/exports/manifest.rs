@@ -5,7 +5,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::Mode;
-use crate::writers::{Format, OutputColumn};
+use crate::writers::{ColumnStats, FileColumn, Format, OutputColumn};
 
 pub const MANIFEST_VERSION: u32 = 1;
 
@@ -19,6 +19,10 @@ pub struct Manifest {
     pub compression: &'static str,
     /// The key column first, then the exported columns in file order.
     pub columns: Vec<OutputColumn>,
+    /// Formats whose files declare their columns (Parquet): the columns as every shard file
+    /// declares them (type and nullability).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub file_schema: Option<Vec<FileColumn>>,
     /// The request's filter and the partner's row filter, both applied.
     pub filter: Value,
     pub row_filter: Value,
@@ -30,8 +34,9 @@ pub struct Manifest {
     pub next_cursor: Option<String>,
     pub total_rows: u64,
     pub total_bytes: u64,
-    /// The whole export as one gzip file (`GET …/file`): the shards spliced, one header.
-    pub file: ManifestFile,
+    /// The whole export as one gzip file (`GET …/file`): the shards spliced, one header. Null
+    /// for formats whose shards are self-contained files (Parquet).
+    pub file: Option<ManifestFile>,
     pub shards: Vec<ManifestShard>,
 }
 
@@ -45,13 +50,16 @@ pub struct ManifestFile {
 #[derive(Debug, Clone, Serialize)]
 pub struct ManifestShard {
     pub index: u32,
-    /// File name for downloads (`shard-00000.csv.gz`).
+    /// File name for downloads (`shard-00000.csv.gz`, `shard-00000.parquet`).
     pub name: String,
     pub rows: u64,
     pub bytes: u64,
     pub sha256: String,
     pub first_key: Option<String>,
     pub last_key: Option<String>,
+    /// Self-contained files (Parquet): each column's statistics, as the file's footer has them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stats: Option<Vec<ColumnStats>>,
 }
 
 impl Manifest {
@@ -65,4 +73,31 @@ impl Manifest {
 
 pub fn shard_name(index: u32, extension: &str) -> String {
     format!("shard-{index:05}.{extension}")
+}
+
+/// What every file of an export says of it in its own metadata (a Parquet footer).
+pub struct FileFacts<'a> {
+    pub export_id: uuid::Uuid,
+    pub dataset: &'a str,
+    pub mode: Mode,
+    pub watermark: &'a str,
+    pub schema_sha256: &'a str,
+    pub exportd_version: &'a str,
+    pub columns: &'a [OutputColumn],
+}
+
+/// The key-value metadata of an export's files: `exportd.`-prefixed keys, in a fixed order.
+pub fn file_metadata(facts: &FileFacts<'_>) -> Vec<(String, String)> {
+    [
+        ("exportd.export_id", facts.export_id.to_string()),
+        ("exportd.dataset", facts.dataset.to_owned()),
+        ("exportd.mode", facts.mode.as_str().to_owned()),
+        ("exportd.snapshot_watermark", facts.watermark.to_owned()),
+        ("exportd.schema_sha256", facts.schema_sha256.to_owned()),
+        ("exportd.version", facts.exportd_version.to_owned()),
+        ("exportd.columns", serde_json::to_string(facts.columns).expect("serializable")),
+    ]
+    .into_iter()
+    .map(|(key, value)| (key.to_owned(), value))
+    .collect()
 }

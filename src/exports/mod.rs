@@ -18,7 +18,7 @@ use uuid::Uuid;
 
 pub use incremental::{FeedContext, store_cursor};
 pub use layout::{Layout, Segment, ShardRecord};
-pub use manifest::{MANIFEST_VERSION, Manifest, ManifestFile, ManifestShard, shard_name};
+pub use manifest::{FileFacts, MANIFEST_VERSION, Manifest, ManifestFile, ManifestShard, file_metadata, shard_name};
 pub use request::{DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode, OP_COLUMN, with_op};
 pub use state::ExportState;
 use store::jobs::Inserted;
@@ -30,8 +30,11 @@ use crate::writers::{Codec, Format, sha256_hex};
 pub enum ExportError {
     #[error("{field}: {detail}")]
     InvalidField { field: String, detail: String },
-    #[error("{field}: {detail}")]
-    NotImplemented { field: &'static str, detail: &'static str },
+    #[error(
+        "a {} export has no whole file: each shard is a self-contained file; download the shards (`links.shards`, or `exportd-client download`)",
+        .0.name()
+    )]
+    NoWholeFile(Format),
     #[error("no such dataset")]
     DatasetNotFound,
     #[error("the dataset is not granted to this principal")]
@@ -85,8 +88,11 @@ pub struct ExportJob {
     pub dataset: String,
     pub mode: Mode,
     pub format: Format,
-    /// How the shards are deflated: [`Codec::CURRENT`] when the job was created.
+    /// What writes the shards' bytes: the format's codec when the job was created.
     pub codec: Codec,
+    /// The dataset schema's sha256 and the exportd version at creation (Parquet footers).
+    pub schema_sha256: String,
+    pub exportd_version: String,
     pub request: Value,
     pub request_sha256: String,
     pub state: ExportState,
@@ -179,7 +185,9 @@ pub async fn create(
         dataset: spec.dataset.as_str(),
         mode: spec.mode.as_str(),
         format: spec.format.name(),
-        codec: Codec::CURRENT.name(),
+        codec: spec.format.spec().codec.name(),
+        schema_sha256: &spec.schema_sha256,
+        exportd_version: crate::VERSION,
         request: &canonical,
         request_sha256: &request_sha256,
         idempotency_key: &key.0,

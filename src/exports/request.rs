@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::auth::Caller;
-use crate::tenants::{ColumnType, DatasetName, DatasetSchema, RowFilter};
+use crate::tenants::{DatasetName, DatasetSchema, RowFilter};
 use crate::writers::{Format, OutputColumn};
 
 use super::ExportError;
@@ -102,6 +102,8 @@ pub struct ExportSpec {
     pub filter: Map<String, Value>,
     pub row_filter: Map<String, Value>,
     pub shard_rows: u32,
+    /// The dataset schema's sha256 (see [`DatasetSchema::sha256`]).
+    pub schema_sha256: String,
 }
 
 impl ExportSpec {
@@ -126,8 +128,10 @@ impl ExportSpec {
         }
         let mut columns = output_columns(schema, request.columns.as_deref())?;
         if request.mode == Mode::Incremental {
+            // A delete carries its key alone: every dataset column may be null.
+            columns.iter_mut().skip(1).for_each(|c| c.required = false);
             // `_op` cannot clash with a dataset column: column names start with a letter.
-            columns.insert(1, OutputColumn { name: OP_COLUMN.to_owned(), ty: ColumnType::String });
+            columns.insert(1, OutputColumn::key(OP_COLUMN));
         }
         Ok(ExportSpec {
             dataset: schema.name.clone(),
@@ -137,14 +141,15 @@ impl ExportSpec {
             filter: check_filter(schema, request.filter.clone().unwrap_or_default())?,
             row_filter: row_filter_json(&caller.principal.row_filter),
             shard_rows,
+            schema_sha256: schema.sha256(),
         })
     }
 }
 
 fn output_columns(schema: &DatasetSchema, requested: Option<&[String]>) -> Result<Vec<OutputColumn>, ExportError> {
-    let mut columns = vec![OutputColumn { name: schema.key_column.to_string(), ty: ColumnType::String }];
+    let mut columns = vec![OutputColumn::key(schema.key_column.as_str())];
     let Some(requested) = requested else {
-        columns.extend(schema.columns.iter().map(|c| OutputColumn { name: c.name.to_string(), ty: c.ty }));
+        columns.extend(schema.columns.iter().map(OutputColumn::of));
         return Ok(columns);
     };
     if requested.is_empty() {
@@ -157,7 +162,7 @@ fn output_columns(schema: &DatasetSchema, requested: Option<&[String]>) -> Resul
         if requested[..i].contains(name) {
             return Err(invalid(&format!("columns[{i}]"), format!("`{name}` is listed twice")));
         }
-        columns.push(OutputColumn { name: name.clone(), ty: column.ty });
+        columns.push(OutputColumn::of(column));
     }
     Ok(columns)
 }

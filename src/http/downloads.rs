@@ -42,7 +42,7 @@ pub struct LinkQuery {
     token: Option<String>,
 }
 
-/// The whole export as one gzip file (one CSV header).
+/// The whole export as one gzip file (one CSV header); csv and jsonl exports only.
 #[utoipa::path(get, path = "/v1/exports/{id}/file", tag = "downloads", params(("id" = String, Path), LinkQuery),
     responses((status = 200, description = "the file"), (status = 206, description = "a range of it"),
         (status = 403, description = "bad, expired or foreign link; principal disabled or no longer granted"),
@@ -281,7 +281,7 @@ fn respond(download: &Download, answer: RangeAnswer, body: Body) -> Response {
     let disposition = format!("attachment; filename=\"{}\"", download.filename);
     let mut response = (status, body).into_response();
     let headers = response.headers_mut();
-    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/gzip"));
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static(download.job.format.spec().content_type));
     headers.insert(CONTENT_LENGTH, HeaderValue::from(body_len));
     headers.insert(ACCEPT_RANGES, HeaderValue::from_static("bytes"));
     headers.insert(ETAG, etag);

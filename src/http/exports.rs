@@ -82,8 +82,9 @@ pub struct FileView {
 
 #[derive(Serialize, ToSchema)]
 pub struct Links {
-    /// The whole export as one gzip file.
-    file: String,
+    /// The whole export as one gzip file (csv and jsonl; absent for parquet, whose shards are
+    /// self-contained files that do not concatenate).
+    file: Option<String>,
     /// Links to shards `shards_from`, `shards_from + 1`, … — at most 100 per response.
     shards: Vec<String>,
     shards_from: u32,
@@ -279,7 +280,8 @@ fn sign_links(state: &AppState, caller: &Caller, job: &ExportJob, from: u32) -> 
     let until = from.saturating_add(SHARD_LINKS_PER_PAGE).min(total);
     let shards = (from..until).map(|n| sign(Object::Shard(n))).collect();
     let shards_next = (until < total).then(|| format!("/v1/exports/{}?shard_links_from={until}", job.id));
-    let links = Links { file: sign(Object::File), shards, shards_from: from, shards_next };
+    let file = job.format.spec().spliceable().then(|| sign(Object::File));
+    let links = Links { file, shards, shards_from: from, shards_next };
     let expire_at = OffsetDateTime::from_unix_timestamp((now + state.link_ttl.as_secs()) as i64)
         .unwrap_or(OffsetDateTime::UNIX_EPOCH);
     (links, expire_at)
@@ -419,8 +421,8 @@ impl From<ExportError> for ApiError {
         let detail = e.to_string();
         match e {
             ExportError::InvalidField { field, detail } => ApiError::invalid_field(field, detail),
-            ExportError::NotImplemented { field, .. } => {
-                ApiError::new(StatusCode::NOT_IMPLEMENTED, "not-implemented", detail).with("field", field)
+            ExportError::NoWholeFile(format) => {
+                ApiError::new(StatusCode::NOT_FOUND, "no-whole-file", detail).with("format", format.name())
             }
             // A bad value in the body, not a missing resource: the request names it.
             ExportError::DatasetNotFound => ApiError::invalid_field("dataset", detail),

@@ -9,10 +9,29 @@ use crate::exports::store::lease::{self, Fence, LeaseLost, Refused};
 use crate::exports::{ExportJob, ExportState};
 use crate::quota::{self, RefusalKind};
 use crate::tenants::TenantId;
+use crate::writers::DoesNotFit;
 
 /// `failed` detail for a record the export's format cannot encode.
-pub(super) const UNENCODABLE: &str =
+const UNENCODABLE: &str =
     "a record of the dataset cannot be encoded in the export's format; fix or delete it and create the export again";
+
+/// The failure (code, detail) for a record the shard encoder refused: a value its column's
+/// type cannot hold exactly (`value-does-not-fit`, naming the column, the rule and the record's
+/// key), or a record it cannot read at all. The log names the column and rule, never data.
+pub(super) fn unencodable(job: &ExportJob, error: &anyhow::Error) -> (&'static str, String) {
+    match DoesNotFit::find(error) {
+        Some(unfit) => {
+            tracing::error!(export = %job.id, error = %unfit, "a value does not fit its column's type in this format");
+            let detail =
+                format!("{unfit} (the record with key {:?}); fix or delete it, or export in another format", unfit.key);
+            ("value-does-not-fit", detail)
+        }
+        None => {
+            tracing::error!(export = %job.id, error = format!("{error:#}"), "a record cannot be encoded");
+            ("unencodable-record", UNENCODABLE.to_owned())
+        }
+    }
+}
 
 /// The principal must still exist, be enabled, be granted the dataset, and have the row filter
 /// frozen into the job.

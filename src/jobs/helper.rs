@@ -76,8 +76,8 @@ async fn write_planned_shard(
     let written = match task.run(&heartbeat).await {
         Ok(written) => written,
         Err(e) if ending::is_unencodable(&e) => {
-            tracing::error!(export = %job.id, error = format!("{e:#}"), "a record cannot be encoded");
-            return fail("unencodable-record", ending::UNENCODABLE).await;
+            let (code, detail) = ending::unencodable(&job, &e);
+            return fail(code, &detail).await;
         }
         Err(e) => {
             give_back(deps, lease).await;

@@ -6,20 +6,18 @@ use serde_json::Value;
 
 use super::WorkerDeps;
 use super::source::Source;
-use crate::exports::ExportJob;
+use crate::exports::{ExportJob, FileFacts, Mode, file_metadata};
 use crate::feeds::{self, Cursor, CursorOwner, Feed, Seal};
 use crate::records::{AsOf, Snapshot};
 use crate::tenants::{DatasetName, TenantId};
-use crate::writers::{Codec, Format, OutputColumn};
+use crate::writers::{OutputColumn, ShardSpec};
 
 /// The job as the worker reads it, parsed once from the frozen request.
 pub(super) struct Plan {
     pub(super) tenant: TenantId,
     pub(super) dataset: DatasetName,
-    pub(super) format: Format,
-    /// How its shards are deflated, fixed when the job was created.
-    pub(super) codec: Codec,
-    pub(super) columns: Vec<OutputColumn>,
+    /// Format, codec, columns and file metadata of every shard, fixed when the job was created.
+    pub(super) shard_spec: ShardSpec,
     pub(super) filter: Value,
     pub(super) row_filter: Value,
     pub(super) watermark: Snapshot,
@@ -36,12 +34,27 @@ pub(super) struct Chain {
 
 impl Plan {
     pub(super) fn from_job(job: &ExportJob) -> anyhow::Result<Plan> {
+        let columns: Vec<OutputColumn> = serde_json::from_value(job.columns.clone()).context("job columns")?;
+        let metadata = file_metadata(&FileFacts {
+            export_id: job.id,
+            dataset: &job.dataset,
+            mode: job.mode,
+            watermark: &job.watermark,
+            schema_sha256: &job.schema_sha256,
+            exportd_version: &job.exportd_version,
+            columns: &columns,
+        });
+        let shard_spec = ShardSpec {
+            format: job.format,
+            codec: job.codec,
+            sorted_by_key: job.mode == Mode::Full,
+            metadata,
+            columns,
+        };
         Ok(Plan {
             tenant: TenantId::parse(&job.tenant).map_err(anyhow::Error::msg)?,
             dataset: DatasetName::parse(&job.dataset).map_err(anyhow::Error::msg)?,
-            format: job.format,
-            codec: job.codec,
-            columns: serde_json::from_value(job.columns.clone()).context("job columns")?,
+            shard_spec,
             filter: job.filter.clone(),
             row_filter: job.row_filter.clone(),
             watermark: Snapshot::parse(&job.watermark).map_err(anyhow::Error::msg)?,

@@ -226,8 +226,8 @@ impl ClaimedExport {
             match self.step().await {
                 // The same rows would fail the same way on every attempt: fail now, clearly.
                 Err(e) if ending::is_unencodable(&e) => {
-                    tracing::error!(export = %self.job.id, error = format!("{e:#}"), "a record cannot be encoded");
-                    return self.fail("unencodable-record", ending::UNENCODABLE).await;
+                    let (code, detail) = ending::unencodable(&self.job, &e);
+                    return self.fail(code, &detail).await;
                 }
                 Err(e) if crate::db::is_transient_chain(&e) => {
                     let delay = delays.next().unwrap_or(self.deps.config.lease_ttl);
@@ -448,18 +448,19 @@ impl ClaimedExport {
             return self.fail("permission-revoked", &reason).await;
         }
         let checkpoints = exports::store::shards::all(&self.deps.pool, self.job.id).await?;
-        let layout = Layout::whole_file(&checkpoints);
-        let file_sha256 = layout.sha256(&self.deps.store).await?;
-        let next_cursor = self.plan.next_cursor(&self.deps, &self.job).await?;
-        let manifest = self.manifest(
-            &checkpoints,
-            next_cursor,
-            ManifestFile {
-                name: format!("{}.{}", self.job.dataset, self.plan.format.extension()),
+        let format = self.plan.shard_spec.format;
+        let file = if format.spec().spliceable() {
+            let layout = Layout::whole_file(&checkpoints);
+            Some(ManifestFile {
+                name: format!("{}.{}", self.job.dataset, format.extension()),
                 bytes: layout.len(),
-                sha256: file_sha256,
-            },
-        );
+                sha256: layout.sha256(&self.deps.store).await?,
+            })
+        } else {
+            None
+        };
+        let next_cursor = self.plan.next_cursor(&self.deps, &self.job).await?;
+        let manifest = self.manifest(&checkpoints, next_cursor, file)?;
         let bytes = manifest.to_bytes();
         let artifact_hours = self.deps.registry.get(&self.job.tenant).map_or(0, |t| t.retention.artifact_hours);
         let publication = Publication {
@@ -468,8 +469,8 @@ impl ClaimedExport {
             shards: checkpoints.len() as i32,
             rows: manifest.total_rows as i64,
             bytes: manifest.total_bytes as i64,
-            file_bytes: manifest.file.bytes as i64,
-            file_sha256: &manifest.file.sha256,
+            file_bytes: manifest.file.as_ref().map(|f| f.bytes as i64),
+            file_sha256: manifest.file.as_ref().map(|f| f.sha256.as_str()),
             artifact_hours,
             // An incremental export advances the principal's stored cursor as it succeeds.
             stored_cursor: self.plan.chain.as_ref().and(manifest.next_cursor.as_deref()),
@@ -487,27 +488,35 @@ impl ClaimedExport {
         }
     }
 
-    fn manifest(&self, checkpoints: &[ShardRecord], next_cursor: String, file: ManifestFile) -> Manifest {
+    fn manifest(
+        &self,
+        checkpoints: &[ShardRecord],
+        next_cursor: String,
+        file: Option<ManifestFile>,
+    ) -> anyhow::Result<Manifest> {
+        let spec = &self.plan.shard_spec;
         let shards: Vec<ManifestShard> = checkpoints
             .iter()
             .map(|c| ManifestShard {
                 index: c.shard_index as u32,
-                name: shard_name(c.shard_index as u32, self.plan.format.extension()),
+                name: shard_name(c.shard_index as u32, spec.format.extension()),
                 rows: c.rows as u64,
                 bytes: c.bytes as u64,
                 sha256: c.sha256.clone(),
                 first_key: c.first_key.clone(),
                 last_key: c.last_key.clone(),
+                stats: c.stats.clone().map(|stats| stats.0),
             })
             .collect();
-        Manifest {
+        Ok(Manifest {
             manifest_version: crate::exports::MANIFEST_VERSION,
             export_id: self.job.id.to_string(),
             dataset: self.job.dataset.clone(),
             mode: self.job.mode,
             format: self.job.format,
-            compression: "gzip",
-            columns: self.plan.columns.clone(),
+            compression: spec.format.spec().compression,
+            columns: spec.columns.clone(),
+            file_schema: spec.format.spec().file_schema(&spec.columns)?,
             filter: self.plan.filter.clone(),
             row_filter: self.plan.row_filter.clone(),
             snapshot_watermark: self.plan.watermark.to_string(),
@@ -518,7 +527,7 @@ impl ClaimedExport {
             total_bytes: shards.iter().map(|s| s.bytes).sum(),
             file,
             shards,
-        }
+        })
     }
 
     async fn refused(&mut self, refused: Refused) -> anyhow::Result<Step> {

@@ -1,5 +1,5 @@
 //! Writing one shard: its rows stream from PostgreSQL, in pages, into an encoder on a blocking
-//! thread (CSV/JSONL → gzip → sha256 → the store's object writer), and the object is made visible
+//! thread (CSV/JSONL → gzip, or Arrow batches → Parquet; → sha256 → the store's object writer), and the object is made visible
 //! only once the shard is complete. At most two pages are in flight, so memory does not grow with
 //! the export.
 
@@ -10,7 +10,7 @@ use super::source::{Reading, Source};
 use crate::quota::ScanLimits;
 use crate::records::Record;
 use crate::storage::{ArtifactStore, ObjectKey, ObjectWriter};
-use crate::writers::{Codec, Format, OutputColumn, ShardDigest, ShardWriter};
+use crate::writers::{ShardDigest, ShardSpec, ShardWriter};
 
 /// Pages buffered between the reader and the encoder.
 const PAGES_IN_FLIGHT: usize = 2;
@@ -40,9 +40,7 @@ pub enum ShardStop {
 pub struct ShardJob<'a> {
     pub store: &'a ArtifactStore,
     pub source: Source<'a>,
-    pub format: Format,
-    pub codec: Codec,
-    pub columns: &'a [OutputColumn],
+    pub spec: &'a ShardSpec,
     pub after: Option<String>,
     pub shard_rows: u64,
     pub page_rows: u64,
@@ -82,8 +80,7 @@ where
         return Ok(Err(ShardStop::NoRows));
     }
 
-    let (pages, encoder) =
-        spawn_encoder(job.store.clone(), job.object_key.clone(), job.format, job.codec, job.columns.to_vec());
+    let (pages, encoder) = spawn_encoder(job.store.clone(), job.object_key.clone(), job.spec.clone());
     let mut rows = 0u64;
     let mut first_key = None;
     let mut last_key: Option<String> = job.after.clone();
@@ -149,14 +146,12 @@ type Encoded = anyhow::Result<(ObjectWriter, ShardDigest)>;
 fn spawn_encoder(
     store: ArtifactStore,
     key: ObjectKey,
-    format: Format,
-    codec: Codec,
-    columns: Vec<OutputColumn>,
+    spec: ShardSpec,
 ) -> (mpsc::Sender<Vec<Record>>, tokio::task::JoinHandle<Encoded>) {
     let (tx, mut rx) = mpsc::channel::<Vec<Record>>(PAGES_IN_FLIGHT);
     let handle = tokio::task::spawn_blocking(move || -> Encoded {
         // On any error the object writer is dropped, which discards what it wrote.
-        let mut writer = ShardWriter::new(store.writer(&key)?, format, codec, columns)?;
+        let mut writer = ShardWriter::new(store.writer(&key)?, &spec)?;
         while let Some(page) = rx.blocking_recv() {
             for record in &page {
                 writer.write_row(&record.key, &record.data)?;

@@ -71,13 +71,11 @@ impl<'a> ShardTask<'a> {
     pub(super) async fn run(self, heartbeat: &Heartbeat) -> anyhow::Result<Written> {
         let index = self.shard.shard_index;
         let deps = self.deps;
-        let object_key = object_key(self.job, &self.shard, self.plan.format.extension());
+        let object_key = object_key(self.job, &self.shard, self.plan.shard_spec.format.extension());
         let job = ShardJob {
             store: &deps.store,
             source: self.plan.source(),
-            format: self.plan.format,
-            codec: self.plan.codec,
-            columns: &self.plan.columns,
+            spec: &self.plan.shard_spec,
             after: self.shard.after_key.clone(),
             shard_rows: self.shard.rows.map_or(self.plan.shard_rows, |rows| rows.max(0) as u64),
             page_rows: u64::from(deps.config.page_rows),
@@ -110,6 +108,7 @@ impl<'a> ShardTask<'a> {
             body_bytes: digest.body.compressed_len as i64,
             body_crc32: i64::from(digest.body.crc32),
             body_raw_bytes: digest.body.raw_len as i64,
+            stats: digest.stats.clone().map(sqlx::types::Json),
         };
         if let Some(problem) = self.differs(&checkpoint) {
             deps.store.delete(&written.object_key).await?;

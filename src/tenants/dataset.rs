@@ -45,6 +45,46 @@ pub struct Column {
     /// A required column must be present and non-null in every record.
     #[serde(default)]
     pub required: bool,
+    /// `number` columns only: the `DECIMAL(precision, scale)` Parquet writes the column as,
+    /// exactly (a value that does not fit fails the export, never rounds). Without it Parquet
+    /// carries the number's text, as CSV does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<u8>,
+    /// Digits after the point, with `precision`; 0 when left out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<u8>,
+}
+
+/// The widest decimal exportd writes (Arrow's Decimal128, Parquet's 16-byte fixed length).
+pub const MAX_DECIMAL_PRECISION: u8 = 38;
+
+impl Column {
+    /// `(precision, scale)` of a number column declared as a decimal.
+    pub fn decimal(&self) -> Option<(u8, u8)> {
+        self.precision.map(|p| (p, self.scale.unwrap_or(0)))
+    }
+
+    /// Checks the decimal declaration; returns the offending field (`precision` or `scale`) and
+    /// a message.
+    fn check_decimal(&self) -> Result<(), (&'static str, String)> {
+        match (self.ty, self.precision, self.scale) {
+            (_, None, None) => Ok(()),
+            (ColumnType::Number, None, Some(_)) => Err(("scale", "give `precision` too".into())),
+            (ColumnType::Number, Some(p), scale) => {
+                if !(1..=MAX_DECIMAL_PRECISION).contains(&p) {
+                    return Err(("precision", format!("must be between 1 and {MAX_DECIMAL_PRECISION}")));
+                }
+                match scale {
+                    Some(s) if s > p => Err(("scale", format!("must be at most the precision ({p})"))),
+                    _ => Ok(()),
+                }
+            }
+            (ty, precision, _) => {
+                let field = if precision.is_some() { "precision" } else { "scale" };
+                Err((field, format!("applies to `number` columns only, not {ty:?}").to_lowercase()))
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -74,8 +114,15 @@ impl DatasetSchema {
             if self.columns[..i].iter().any(|c| c.name == column.name) {
                 return Err((format!("columns[{i}].name"), format!("duplicate column `{}`", column.name)));
             }
+            column.check_decimal().map_err(|(field, message)| (format!("columns[{i}].{field}"), message))?;
         }
         Ok(())
+    }
+
+    /// sha256 of the schema as declared (name, key column, columns with their types), frozen
+    /// into each export and written into Parquet footers.
+    pub fn sha256(&self) -> String {
+        crate::writers::sha256_hex(&serde_json::to_vec(self).expect("serializable"))
     }
 }
 
@@ -95,6 +142,23 @@ mod tests {
         assert_eq!(dup.check().unwrap_err().0, "columns[1].name");
         let key = schema("name='t'\nkey_column='id'\n[[columns]]\nname='id'\ntype='string'");
         assert_eq!(key.check().unwrap_err().0, "columns[0].name");
+    }
+
+    #[test]
+    fn decimals_are_declared_on_number_columns_within_bounds() {
+        let with = |column: &str| schema(&format!("name='t'\nkey_column='id'\n[[columns]]\nname='a'\n{column}"));
+        assert_eq!(with("type='number'\nprecision=18\nscale=2").columns[0].decimal(), Some((18, 2)));
+        assert_eq!(with("type='number'\nprecision=38").columns[0].decimal(), Some((38, 0)));
+        let refused = [
+            ("type='number'\nprecision=39", "columns[0].precision"),
+            ("type='number'\nprecision=0", "columns[0].precision"),
+            ("type='number'\nprecision=4\nscale=5", "columns[0].scale"),
+            ("type='number'\nscale=2", "columns[0].scale"),
+            ("type='integer'\nprecision=10", "columns[0].precision"),
+        ];
+        for (column, field) in refused {
+            assert_eq!(with(column).check().unwrap_err().0, field, "{column}");
+        }
     }
 
     #[test]

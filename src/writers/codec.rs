@@ -1,7 +1,8 @@
-//! The deflate implementations a shard can be compressed with, each at a fixed level.
+//! What produces a shard's bytes: for gzip formats the deflate implementation and level, for
+//! Parquet the writer's version and its compression.
 //!
 //! Deflate output is not specified by the format: two implementations (or two levels) give
-//! different bytes for the same input. So the codec is chosen once, when an export is created,
+//! different bytes for the same input; a Parquet writer's bytes change with its version. So the codec is chosen once, when an export is created,
 //! and recorded on the job; every shard of it — written later, rewritten after a crash, by
 //! another process or a newer binary — uses that codec and comes out byte-identical to its
 //! checkpoint. A codec's name is forever: a dependency update that changes a codec's bytes
@@ -39,16 +40,21 @@ codecs! {
     /// zlib-rs 0.6.8 (a Rust port of zlib-ng) at level 3: on synthetic tickets 1.6× the speed
     /// of `miniz_oxide/3` for 7 % more bytes. Its output does not depend on the CPU's features.
     ZlibRs3 => "zlib-rs/3",
+    /// The `parquet` crate 60.1.0 with zstd (libzstd 1.5.7) at level 3, every option pinned in
+    /// [`super::parquet`]. Not a deflate codec.
+    ParquetZstd3 => "parquet-60/zstd-3",
 }
 
 impl Codec {
-    /// What new exports are written with.
-    pub const CURRENT: Codec = Codec::ZlibRs3;
+    /// The codecs of gzip formats.
+    pub const GZIP: &[Codec] = &[Codec::MinizOxide3, Codec::ZlibRs3];
 
-    pub(super) fn deflater(self) -> Deflater {
+    /// The raw deflate stream of a gzip codec; an error for a codec that does not deflate.
+    pub(super) fn deflater(self) -> io::Result<Deflater> {
         match self {
-            Codec::MinizOxide3 => Deflater::Miniz(Compress::new(Compression::new(3), false)),
-            Codec::ZlibRs3 => Deflater::ZlibRs(Deflate::new(3, false, 15)),
+            Codec::MinizOxide3 => Ok(Deflater::Miniz(Compress::new(Compression::new(3), false))),
+            Codec::ZlibRs3 => Ok(Deflater::ZlibRs(Deflate::new(3, false, 15))),
+            other => Err(io::Error::other(format!("codec {} does not deflate", other.name()))),
         }
     }
 }

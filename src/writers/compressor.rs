@@ -35,10 +35,10 @@ impl<W: Write + Send + 'static> Compressor<W> {
             let mut out = HashingWriter::new(out);
             let mut buf = Vec::with_capacity(Self::CHUNK);
             out.write_all(&GZIP_HEADER)?;
-            let mut head_part = PartCompressor::new(codec);
+            let mut head_part = PartCompressor::new(codec)?;
             head_part.write(&head, &mut buf)?;
             let head = head_part.finish(&mut buf)?;
-            let mut body_part = PartCompressor::new(codec);
+            let mut body_part = PartCompressor::new(codec)?;
             for chunk in received {
                 body_part.write(&chunk, &mut buf)?;
                 out.write_all(&buf)?;
@@ -110,7 +110,7 @@ mod tests {
         for (codec, sha256) in golden {
             assert_eq!(compressed_bytes_do_not_depend_on_write_sizes_with(codec, &data), sha256, "{codec:?}");
         }
-        assert_eq!(golden.len(), Codec::ALL.len(), "every codec is pinned");
+        assert_eq!(golden.len(), Codec::GZIP.len(), "every gzip codec is pinned");
     }
 
     /// The sha256 of `data` compressed with `codec`, after checking it is the same however the

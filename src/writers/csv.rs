@@ -5,16 +5,19 @@ use std::io;
 
 use csv_core::{QuoteStyle, Terminator, WriteResult};
 
+use super::Codec;
 use super::OutputColumn;
 use super::cell::Fields;
 use super::escape::{csv_cell, escape_formula};
-use super::format::{FormatSpec, RowEncoder};
+use super::format::{FormatSpec, Framing, RowEncoder};
 
 pub const SPEC: FormatSpec = FormatSpec {
     name: "csv",
     extension: "csv.gz",
-    spliceable: true,
-    encoder: |columns| Box::new(CsvEncoder::new(columns)),
+    content_type: "application/gzip",
+    compression: "gzip",
+    framing: Framing::Gzip(|columns| Box::new(CsvEncoder::new(columns))),
+    codec: Codec::ZlibRs3,
 };
 
 const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
@@ -114,7 +117,7 @@ mod tests {
     fn records_match_the_csv_crate_byte_for_byte_even_past_the_scratch_buffer() {
         let long = format!("{}\"quoted\"\r\n{}", "a".repeat(5000), "\"".repeat(3000));
         let columns = [("id", ColumnType::String), ("body", ColumnType::String), ("n", ColumnType::Number)]
-            .map(|(name, ty)| OutputColumn { name: name.into(), ty });
+            .map(|(name, ty)| OutputColumn { ty, ..OutputColumn::key(name) });
         let mut encoder = CsvEncoder::new(&columns);
         assert_eq!(encoder.head().unwrap(), [UTF8_BOM, &reference(&["id", "body", "n"])].concat());
         let data = serde_json::json!({"body": long, "n": 12.5}).to_string();

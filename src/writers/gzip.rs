@@ -40,8 +40,9 @@ pub struct PartCompressor {
 }
 
 impl PartCompressor {
-    pub fn new(codec: Codec) -> Self {
-        PartCompressor { deflate: codec.deflater(), crc: crc32fast::Hasher::new(), raw_len: 0, compressed_len: 0 }
+    pub fn new(codec: Codec) -> io::Result<Self> {
+        let deflate = codec.deflater()?;
+        Ok(PartCompressor { deflate, crc: crc32fast::Hasher::new(), raw_len: 0, compressed_len: 0 })
     }
 
     /// Compresses `input`, appending whatever output is ready to `out`.
@@ -92,7 +93,7 @@ mod tests {
     use std::io::Read;
 
     fn part(codec: Codec, data: &[u8], out: &mut Vec<u8>) -> Part {
-        let mut compressor = PartCompressor::new(codec);
+        let mut compressor = PartCompressor::new(codec).unwrap();
         for piece in data.chunks(1000) {
             compressor.write(piece, out).unwrap();
         }
@@ -111,8 +112,8 @@ mod tests {
     fn parts_splice_into_one_valid_gzip_member() {
         let head = b"id,name\r\n".repeat(3);
         let bodies: Vec<Vec<u8>> = (0..3).map(|i| format!("row {i}\r\n").repeat(5000).into_bytes()).collect();
-        let codecs = Codec::ALL.iter().copied().cycle();
-        for first in Codec::ALL {
+        let codecs = Codec::GZIP.iter().copied().cycle();
+        for first in Codec::GZIP {
             let mut file = GZIP_HEADER.to_vec();
             let mut parts = vec![part(*first, &head, &mut file)];
             for (body, codec) in bodies.iter().zip(codecs.clone()) {
@@ -128,7 +129,7 @@ mod tests {
 
     #[test]
     fn an_empty_part_is_still_a_valid_member() {
-        for &codec in Codec::ALL {
+        for &codec in Codec::GZIP {
             let mut file = GZIP_HEADER.to_vec();
             let parts = [part(codec, b"", &mut file), part(codec, b"x", &mut file)];
             file.extend_from_slice(&FINAL_BLOCK);

@@ -3,15 +3,18 @@
 
 use std::io;
 
+use super::Codec;
 use super::OutputColumn;
 use super::cell::{Cell, Fields};
-use super::format::{FormatSpec, RowEncoder};
+use super::format::{FormatSpec, Framing, RowEncoder};
 
 pub const SPEC: FormatSpec = FormatSpec {
     name: "jsonl",
     extension: "jsonl.gz",
-    spliceable: true,
-    encoder: |columns| Box::new(JsonlEncoder::new(columns)),
+    content_type: "application/gzip",
+    compression: "gzip",
+    framing: Framing::Gzip(|columns| Box::new(JsonlEncoder::new(columns))),
+    codec: Codec::ZlibRs3,
 };
 
 struct JsonlEncoder {

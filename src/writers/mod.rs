@@ -1,18 +1,23 @@
-//! Shard files: rows encoded as CSV or JSONL, gzip-compressed, checksummed.
+//! Shard files: rows encoded as CSV or JSONL and gzip-compressed (spliceable into one whole
+//! file), or gathered into Arrow batches and written as self-contained Parquet files; either way
+//! checksummed as they are written.
 //!
-//! The bytes of a shard depend only on its rows and its export's [`Codec`]: fixed gzip header
-//! (mtime 0, no name), one pinned deflate implementation and level per codec, input fed in
-//! fixed-size chunks, no flush except where the framing in [`gzip`] needs one. Golden-hash tests
-//! guard this, one per codec and format.
+//! The bytes of a shard depend only on its rows, its [`ShardSpec`] and its export's [`Codec`]:
+//! fixed gzip header (mtime 0, no name), one pinned deflate implementation and level per codec,
+//! input fed in fixed-size chunks, no flush except where the framing in [`gzip`] needs one; for
+//! Parquet, a pinned writer version and every writer option fixed (see [`parquet`]), batches cut
+//! by the data alone. Golden-hash tests guard this, one per codec and format.
 
 mod cell;
 mod codec;
+mod columnar;
 mod compressor;
 mod csv;
 mod escape;
 mod format;
 pub mod gzip;
 mod jsonl;
+mod parquet;
 
 use std::io::{self, Write};
 
@@ -21,10 +26,12 @@ use sha2::{Digest, Sha256};
 
 pub use cell::{Cell, FieldIndex, Fields};
 pub use codec::Codec;
+pub use columnar::{ColumnStats, DoesNotFit, FileColumn};
 pub use escape::{csv_cell, escape_formula};
-pub use format::{Format, FormatSpec, RowEncoder};
+pub use format::{Format, FormatSpec, Framing, RowEncoder};
 
-use crate::tenants::ColumnType;
+use crate::tenants::{Column, ColumnType};
+use columnar::ColumnarShard;
 use compressor::Compressor;
 use gzip::Part;
 
@@ -34,61 +41,139 @@ pub struct OutputColumn {
     pub name: String,
     #[serde(rename = "type")]
     pub ty: ColumnType,
+    /// Never null: the key, `_op`, and a full export's required columns (Parquet declares them
+    /// REQUIRED).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub required: bool,
+    /// A number column's declared `DECIMAL(precision, scale)` (see the dataset file).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<u8>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<u8>,
+}
+
+impl OutputColumn {
+    /// The record key's column (or `_op`): text, never null.
+    pub fn key(name: &str) -> Self {
+        OutputColumn { name: name.to_owned(), ty: ColumnType::String, required: true, precision: None, scale: None }
+    }
+
+    /// A dataset column as declared.
+    pub fn of(column: &Column) -> Self {
+        OutputColumn {
+            name: column.name.to_string(),
+            ty: column.ty,
+            required: column.required,
+            precision: column.precision,
+            scale: column.scale,
+        }
+    }
+
+    /// `(precision, scale)` of a number column declared as a decimal.
+    pub fn decimal(&self) -> Option<(u8, u8)> {
+        self.precision.map(|p| (p, self.scale.unwrap_or(0)))
+    }
+}
+
+/// What every shard of an export is written as, fixed when the export is created.
+#[derive(Debug, Clone)]
+pub struct ShardSpec {
+    pub format: Format,
+    pub codec: Codec,
+    /// The key column first.
+    pub columns: Vec<OutputColumn>,
+    /// Whether rows come in key order (full exports), which a Parquet footer then declares.
+    pub sorted_by_key: bool,
+    /// Key-value metadata for formats whose files carry it (a Parquet footer).
+    pub metadata: Vec<(String, String)>,
 }
 
 /// What a finished shard file is, including where its parts lie (see [`gzip`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ShardDigest {
     pub rows: u64,
     pub bytes: u64,
     pub sha256: String,
-    /// The format's head (BOM and CSV header; empty for JSONL), right after the 10-byte gzip header.
+    /// Spliceable formats: the head (BOM and CSV header; empty for JSONL), right after the
+    /// 10-byte gzip header. Zero for self-contained files.
     pub head: Part,
-    /// The rows, right after the head.
+    /// Spliceable formats: the rows, right after the head.
     pub body: Part,
+    /// Self-contained files: each column's statistics as the file's footer holds them.
+    pub stats: Option<Vec<ColumnStats>>,
 }
 
-/// Streams rows into one compressed shard. Memory stays bounded by the encoder's buffers.
-/// Rows are encoded on the caller's thread and deflated on a second one.
+/// Streams rows into one shard file. Memory stays bounded by the encoder's buffers. Rows are
+/// read and encoded on the caller's thread and compressed (or written out) on a second one.
 pub struct ShardWriter<W: Write + Send + 'static> {
-    encoder: Box<dyn RowEncoder>,
     fields: FieldIndex,
-    compressor: Compressor<W>,
     rows: u64,
-    line: Vec<u8>,
+    sink: Sink<W>,
+}
+
+enum Sink<W: Write + Send + 'static> {
+    Gzip { encoder: Box<dyn RowEncoder>, compressor: Compressor<W>, line: Vec<u8> },
+    Columnar(ColumnarShard<W>),
 }
 
 impl<W: Write + Send + 'static> ShardWriter<W> {
-    /// Starts a shard with the format's head (a CSV shard: BOM and header row).
-    pub fn new(out: W, format: Format, codec: Codec, columns: Vec<OutputColumn>) -> io::Result<Self> {
-        let mut encoder = (format.spec().encoder)(&columns);
-        let compressor = Compressor::start(out, codec, encoder.head()?);
-        let fields = FieldIndex::new(columns.iter().map(|c| c.name.as_str()));
-        Ok(ShardWriter { encoder, fields, compressor, rows: 0, line: Vec::new() })
+    /// Starts a shard (a CSV shard with its BOM and header row).
+    pub fn new(out: W, spec: &ShardSpec) -> io::Result<Self> {
+        let sink = match spec.format.spec().framing {
+            Framing::Gzip(encoder) => {
+                let mut encoder = encoder(&spec.columns);
+                spec.codec.deflater()?; // refuses a codec that does not deflate
+                let compressor = Compressor::start(out, spec.codec, encoder.head()?);
+                Sink::Gzip { encoder, compressor, line: Vec::new() }
+            }
+            Framing::Columnar { writer, .. } => Sink::Columnar(ColumnarShard::start(out, spec, writer)?),
+        };
+        let fields = FieldIndex::new(spec.columns.iter().map(|c| c.name.as_str()));
+        Ok(ShardWriter { fields, rows: 0, sink })
     }
 
     /// Appends one record: its key, and the selected columns read from `data`, the record's
     /// JSON object as text (absent columns are null).
     pub fn write_row(&mut self, key: &str, data: &str) -> io::Result<()> {
         let fields = self.fields.read(data)?;
-        self.line.clear();
-        self.encoder.encode(key, &fields, &mut self.line)?;
-        self.compressor.write_all(&self.line)?;
+        match &mut self.sink {
+            Sink::Gzip { encoder, compressor, line } => {
+                line.clear();
+                encoder.encode(key, &fields, line)?;
+                compressor.write_all(line)?;
+            }
+            Sink::Columnar(shard) => shard.push(key, &fields)?,
+        }
         self.rows += 1;
         Ok(())
     }
 
-    /// Ends the gzip stream and returns the inner writer with the shard's size and sha256.
+    /// Ends the file (gzip trailer or footer) and returns the inner writer with the shard's
+    /// size and sha256.
     pub fn finish(self) -> io::Result<(W, ShardDigest)> {
-        let (out, framed) = self.compressor.finish()?;
-        let digest = ShardDigest {
-            rows: self.rows,
-            bytes: framed.bytes,
-            sha256: framed.sha256,
-            head: framed.head,
-            body: framed.body,
-        };
-        Ok((out, digest))
+        let rows = self.rows;
+        match self.sink {
+            Sink::Gzip { compressor, .. } => {
+                let (out, framed) = compressor.finish()?;
+                let digest = ShardDigest {
+                    rows,
+                    bytes: framed.bytes,
+                    sha256: framed.sha256,
+                    head: framed.head,
+                    body: framed.body,
+                    stats: None,
+                };
+                Ok((out, digest))
+            }
+            Sink::Columnar(shard) => {
+                let (out, file) = shard.finish()?;
+                let (head, body) = (Part::default(), Part::default());
+                Ok((
+                    out,
+                    ShardDigest { rows, bytes: file.bytes, sha256: file.sha256, head, body, stats: Some(file.stats) },
+                ))
+            }
+        }
     }
 }
 
@@ -136,11 +221,12 @@ mod tests {
     use std::io::Read;
 
     fn columns() -> Vec<OutputColumn> {
+        let column = |name: &str, ty| OutputColumn { ty, required: false, ..OutputColumn::key(name) };
         vec![
-            OutputColumn { name: "id".into(), ty: ColumnType::String },
-            OutputColumn { name: "subject".into(), ty: ColumnType::String },
-            OutputColumn { name: "amount".into(), ty: ColumnType::Number },
-            OutputColumn { name: "tags".into(), ty: ColumnType::Json },
+            OutputColumn::key("id"),
+            column("subject", ColumnType::String),
+            column("amount", ColumnType::Number),
+            column("tags", ColumnType::Json),
         ]
     }
 
@@ -154,11 +240,13 @@ mod tests {
     }
 
     fn shard(format: Format) -> (Vec<u8>, ShardDigest) {
-        shard_with(format, Codec::CURRENT)
+        shard_with(format, format.spec().codec)
     }
 
     fn shard_with(format: Format, codec: Codec) -> (Vec<u8>, ShardDigest) {
-        let mut writer = ShardWriter::new(Vec::new(), format, codec, columns()).unwrap();
+        let metadata = vec![("exportd.export_id".to_owned(), "e1".to_owned())];
+        let spec = ShardSpec { format, codec, columns: columns(), sorted_by_key: true, metadata };
+        let mut writer = ShardWriter::new(Vec::new(), &spec).unwrap();
         for (key, data) in rows() {
             writer.write_row(key, &data).unwrap();
         }
@@ -212,10 +300,22 @@ mod tests {
             (Codec::MinizOxide3, Format::Jsonl, "628d0e3d0de56863f13f9ca83af83b6ea4f4c4a8cad5baeb9d7cbd4640d1ae9f"),
             (Codec::ZlibRs3, Format::Csv, "f4d59be70248cbbb7b6c8374b017a58ba25d0e2832839dbb9cd5f33d2b506646"),
             (Codec::ZlibRs3, Format::Jsonl, "7851114bc2988638dfe7b81571b1b5495651931ac62c0353b28d64e29a640ff4"),
+            (Codec::ParquetZstd3, Format::Parquet, "8f08fac2a507e5efa9b68e7ab87fe991626250b97d4959767e851298e04c7049"),
         ];
         for (codec, format, sha256) in golden {
             assert_eq!(shard_with(format, codec).1.sha256, sha256, "{codec:?} {format:?}");
         }
-        assert_eq!(golden.len(), Codec::ALL.len() * Format::ALL.len(), "every codec and format is pinned");
+        let gzip_pairs = Codec::GZIP.len() * Format::ALL.iter().filter(|f| f.spec().spliceable()).count();
+        assert_eq!(golden.len(), gzip_pairs + 1, "every codec and format is pinned");
+    }
+
+    #[test]
+    fn a_codec_refuses_a_format_it_does_not_write() {
+        let spec =
+            |format, codec| ShardSpec { format, codec, columns: columns(), sorted_by_key: true, metadata: vec![] };
+        let refused = ShardWriter::new(Vec::new(), &spec(Format::Csv, Codec::ParquetZstd3)).err().unwrap();
+        assert!(refused.to_string().contains("does not deflate"), "{refused}");
+        let refused = ShardWriter::new(Vec::new(), &spec(Format::Parquet, Codec::ZlibRs3)).err().unwrap();
+        assert!(refused.to_string().contains("does not write Parquet"), "{refused}");
     }
 }

@@ -110,6 +110,26 @@ async fn shards_download_in_parallel_and_match_the_manifest(pool: PgPool) {
     assert_eq!(printed, expected);
 }
 
+/// A Parquet export has no whole file: the client fetches and verifies every shard file.
+#[sqlx::test(migrations = "./migrations")]
+async fn a_parquet_export_downloads_as_its_shard_files(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("acme", "tickets", 300).await;
+    let token = app.token("acme", "alice");
+    let id = app.export(&token, &json!({"dataset": "tickets", "format": "parquet", "shard_rows": 120})).await;
+    assert_eq!(app.drain().await, vec![Step::Published]);
+    let manifest: Value = app.get(Some(&token), &format!("/v1/exports/{id}/manifest")).await.json().await.unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let run = client(&app, &id, out.path(), &[]).output().await.unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let names: Vec<&str> = manifest["shards"].as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["shard-00000.parquet", "shard-00001.parquet", "shard-00002.parquet"]);
+    for shard in manifest["shards"].as_array().unwrap() {
+        assert_eq!(sha256_of(&out.path().join(shard["name"].as_str().unwrap())), shard["sha256"]);
+    }
+    assert_eq!(String::from_utf8_lossy(&run.stdout).lines().count(), 3);
+}
+
 #[sqlx::test(migrations = "./migrations")]
 async fn a_changed_validator_restarts_the_file(pool: PgPool) {
     let app = TestApp::spawn(pool).await;

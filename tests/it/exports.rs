@@ -112,7 +112,7 @@ async fn status_and_manifest_describe_the_published_export(pool: PgPool) {
     assert_eq!(manifest["total_rows"], 120);
     assert_eq!(manifest["format"], "csv");
     assert_eq!(manifest["compression"], "gzip");
-    assert_eq!(manifest["columns"][0], json!({"name": "id", "type": "string"}));
+    assert_eq!(manifest["columns"][0], json!({"name": "id", "type": "string", "required": true}));
     let shards = manifest["shards"].as_array().unwrap();
     assert_eq!(shards.iter().map(|s| s["rows"].as_u64().unwrap()).collect::<Vec<_>>(), [50, 50, 20]);
     assert_eq!(shards[0]["name"], "shard-00000.csv.gz");

@@ -14,6 +14,7 @@ mod feeds;
 mod http_api;
 mod isolation;
 mod parallel;
+mod parquet_exports;
 mod partner_view;
 mod quotas;
 mod record_store;

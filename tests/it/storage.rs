@@ -130,7 +130,7 @@ async fn an_export_keeps_the_codec_it_was_created_with(pool: PgPool) {
             .bind(id)
             .fetch_one(&app.pool)
     };
-    assert_eq!(codec(older.clone()).await.unwrap(), exportd::writers::Codec::CURRENT.name());
+    assert_eq!(codec(older.clone()).await.unwrap(), exportd::writers::Format::Csv.spec().codec.name());
     sqlx::query("UPDATE export_jobs SET codec = 'miniz_oxide/3' WHERE id = $1::uuid")
         .bind(&older)
         .execute(&app.pool)

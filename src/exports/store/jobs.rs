@@ -19,6 +19,8 @@ pub struct NewJob<'a> {
     pub mode: &'a str,
     pub format: &'a str,
     pub codec: &'a str,
+    pub schema_sha256: &'a str,
+    pub exportd_version: &'a str,
     pub request: &'a Value,
     pub request_sha256: &'a str,
     pub idempotency_key: &'a str,
@@ -60,8 +62,9 @@ pub async fn insert(tx: &mut PgConnection, job: &NewJob<'_>) -> sqlx::Result<Ins
     let inserted = job_query!(
         "INSERT INTO export_jobs (id, tenant, principal, dataset, mode, format, codec, request, request_sha256,
              idempotency_key, columns, filter, row_filter, shard_rows, watermark,
-             from_cursor, start_from, start_after, until_tick)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, pg_current_snapshot(), $15, $16, $17, $18)
+             from_cursor, start_from, start_after, until_tick, schema_sha256, exportd_version)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, pg_current_snapshot(), $15, $16, $17, $18,
+             $19, $20)
          ON CONFLICT ON CONSTRAINT export_jobs_idempotency_key DO NOTHING
          RETURNING",
         "",
@@ -83,6 +86,8 @@ pub async fn insert(tx: &mut PgConnection, job: &NewJob<'_>) -> sqlx::Result<Ins
         job.start_from,
         job.start_after,
         job.until_tick,
+        job.schema_sha256,
+        job.exportd_version,
     )
     .fetch_optional(tx)
     .await;

@@ -242,8 +242,8 @@ pub async fn record_shard(
     };
     sqlx::query!(
         "INSERT INTO export_shards (export_id, shard_index, first_key, last_key, rows, bytes, sha256, object_key,
-             head_bytes, head_crc32, head_raw_bytes, body_bytes, body_crc32, body_raw_bytes, written_by)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
+             head_bytes, head_crc32, head_raw_bytes, body_bytes, body_crc32, body_raw_bytes, written_by, stats)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
          ON CONFLICT ON CONSTRAINT export_shards_pkey
          DO UPDATE SET object_key = EXCLUDED.object_key, written_by = EXCLUDED.written_by",
         lease.job_id,
@@ -261,6 +261,7 @@ pub async fn record_shard(
         shard.body_crc32,
         shard.body_raw_bytes,
         writer,
+        shard.stats as _,
     )
     .execute(&mut *tx)
     .await?;
@@ -290,8 +291,9 @@ pub struct Publication<'a> {
     pub shards: i32,
     pub rows: i64,
     pub bytes: i64,
-    pub file_bytes: i64,
-    pub file_sha256: &'a str,
+    /// The whole file, for formats whose shards splice into one.
+    pub file_bytes: Option<i64>,
+    pub file_sha256: Option<&'a str>,
     /// The export expires this many hours after publishing.
     pub artifact_hours: u32,
     /// Incremental exports: the cursor to store for the principal and dataset.

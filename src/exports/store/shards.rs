@@ -12,9 +12,10 @@ use crate::exports::ShardRecord;
 pub async fn all(pool: &PgPool, export_id: Uuid) -> sqlx::Result<Vec<ShardRecord>> {
     sqlx::query_as!(
         ShardRecord,
-        "SELECT shard_index, first_key, last_key, rows, bytes, sha256, object_key,
-                head_bytes, head_crc32, head_raw_bytes, body_bytes, body_crc32, body_raw_bytes
-         FROM export_shards WHERE export_id = $1 ORDER BY shard_index",
+        r#"SELECT shard_index, first_key, last_key, rows, bytes, sha256, object_key,
+                head_bytes, head_crc32, head_raw_bytes, body_bytes, body_crc32, body_raw_bytes,
+                stats AS "stats: sqlx::types::Json<Vec<crate::writers::ColumnStats>>"
+         FROM export_shards WHERE export_id = $1 ORDER BY shard_index"#,
         export_id,
     )
     .fetch_all(pool)
@@ -25,9 +26,10 @@ pub async fn all(pool: &PgPool, export_id: Uuid) -> sqlx::Result<Vec<ShardRecord
 pub async fn last(pool: &PgPool, export_id: Uuid) -> sqlx::Result<Option<ShardRecord>> {
     sqlx::query_as!(
         ShardRecord,
-        "SELECT shard_index, first_key, last_key, rows, bytes, sha256, object_key,
-                head_bytes, head_crc32, head_raw_bytes, body_bytes, body_crc32, body_raw_bytes
-         FROM export_shards WHERE export_id = $1 ORDER BY shard_index DESC LIMIT 1",
+        r#"SELECT shard_index, first_key, last_key, rows, bytes, sha256, object_key,
+                head_bytes, head_crc32, head_raw_bytes, body_bytes, body_crc32, body_raw_bytes,
+                stats AS "stats: sqlx::types::Json<Vec<crate::writers::ColumnStats>>"
+         FROM export_shards WHERE export_id = $1 ORDER BY shard_index DESC LIMIT 1"#,
         export_id,
     )
     .fetch_optional(pool)
