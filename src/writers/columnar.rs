@@ -22,8 +22,6 @@
 
 use std::io::{self, Write};
 use std::sync::Arc;
-use std::sync::mpsc::{SyncSender, sync_channel};
-use std::thread::JoinHandle;
 
 use arrow_array::builder::{
     BooleanBuilder, Decimal128Builder, Int64Builder, StringBuilder, TimestampMicrosecondBuilder,
@@ -34,6 +32,7 @@ use serde::{Deserialize, Serialize};
 use time::format_description::well_known::Rfc3339;
 
 use super::cell::{Cell, Fields};
+use super::pipe::Pipe;
 use super::{HashingWriter, OutputColumn, ShardSpec};
 use crate::tenants::ColumnType;
 
@@ -253,6 +252,9 @@ fn append(values: &mut Values, cell: &Cell<'_>, required: bool, ty: ColumnType) 
         return Ok(0);
     }
     match values {
+        Values::Text(_) if ty == ColumnType::Number && !matches!(cell, Cell::Number(_)) => {
+            Err("a value is not a number")
+        }
         Values::Text(b) => {
             let text = text_of(cell, ty);
             b.append_value(&text);
@@ -365,8 +367,7 @@ pub fn exact_units(text: &str, precision: u8, scale: u8) -> Result<i128, &'stati
 /// A shard being written as a columnar file.
 pub struct ColumnarShard<W> {
     builder: BatchBuilder,
-    batches: Option<SyncSender<RecordBatch>>,
-    thread: Option<JoinHandle<io::Result<(W, WrittenFile)>>>,
+    batches: Pipe<RecordBatch, (W, WrittenFile)>,
 }
 
 /// A columnar file as written.
@@ -381,8 +382,7 @@ impl<W: Write + Send + 'static> ColumnarShard<W> {
         let schema = arrow_schema(&spec.columns)?;
         let builder = BatchBuilder::new(&spec.columns, schema.clone())?;
         let mut writer = writer(spec, schema)?;
-        let (batches, received) = sync_channel::<RecordBatch>(BATCHES_IN_FLIGHT);
-        let thread = std::thread::spawn(move || {
+        let batches = Pipe::spawn(BATCHES_IN_FLIGHT, move |received| {
             let mut out = HashingWriter::new(out);
             for batch in received {
                 writer.write(&batch, &mut out)?;
@@ -391,7 +391,7 @@ impl<W: Write + Send + 'static> ColumnarShard<W> {
             let (out, bytes, sha256) = out.into_parts();
             Ok((out, WrittenFile { bytes, sha256, stats }))
         });
-        Ok(ColumnarShard { builder, batches: Some(batches), thread: Some(thread) })
+        Ok(ColumnarShard { builder, batches })
     }
 
     pub fn push(&mut self, key: &str, fields: &Fields<'_>) -> io::Result<()> {
@@ -403,21 +403,16 @@ impl<W: Write + Send + 'static> ColumnarShard<W> {
     }
 
     fn send(&mut self) -> io::Result<()> {
-        let Some(batch) = self.builder.take()? else { return Ok(()) };
-        let sent = self.batches.as_ref().is_some_and(|b| b.send(batch).is_ok());
-        if sent { Ok(()) } else { Err(self.join().err().unwrap_or_else(|| io::Error::other("file writer stopped"))) }
-    }
-
-    fn join(&mut self) -> io::Result<(W, WrittenFile)> {
-        self.batches = None;
-        let thread = self.thread.take().ok_or_else(|| io::Error::other("file writer already finished"))?;
-        thread.join().map_err(|_| io::Error::other("file writer panicked"))?
+        match self.builder.take()? {
+            Some(batch) => self.batches.send(batch),
+            None => Ok(()),
+        }
     }
 
     /// Sends the last batch and ends the file.
     pub fn finish(mut self) -> io::Result<(W, WrittenFile)> {
         self.send()?;
-        self.join()
+        self.batches.finish()
     }
 }
 

@@ -1,12 +1,12 @@
 //! Deflating on a thread of its own, into the shard framing of [`super::gzip`].
 
 use std::io::{self, Write};
-use std::sync::mpsc::{SyncSender, sync_channel};
-use std::thread::JoinHandle;
+use std::sync::mpsc::Receiver;
 
 use super::HashingWriter;
 use super::codec::Codec;
 use super::gzip::{FINAL_BLOCK, GZIP_HEADER, Part, PartCompressor, trailer};
+use super::pipe::Pipe;
 
 /// A framed shard as written.
 pub struct Framed {
@@ -21,8 +21,7 @@ pub struct Framed {
 /// its input is split — so the output depends only on the data and the codec, never on timing.
 pub struct Compressor<W> {
     pending: Vec<u8>,
-    chunks: Option<SyncSender<Vec<u8>>>,
-    thread: Option<JoinHandle<io::Result<(W, Framed)>>>,
+    chunks: Pipe<Vec<u8>, (W, Framed)>,
 }
 
 impl<W: Write + Send + 'static> Compressor<W> {
@@ -30,8 +29,7 @@ impl<W: Write + Send + 'static> Compressor<W> {
 
     /// Starts a shard with `head` (BOM and CSV header, or nothing) as its own part.
     pub fn start(out: W, codec: Codec, head: Vec<u8>) -> Self {
-        let (chunks, received) = sync_channel::<Vec<u8>>(2);
-        let thread = std::thread::spawn(move || {
+        let chunks = Pipe::spawn(2, move |received: Receiver<Vec<u8>>| {
             let mut out = HashingWriter::new(out);
             let mut buf = Vec::with_capacity(Self::CHUNK);
             out.write_all(&GZIP_HEADER)?;
@@ -51,27 +49,16 @@ impl<W: Write + Send + 'static> Compressor<W> {
             let (out, bytes, sha256) = out.into_parts();
             Ok((out, Framed { bytes, sha256, head, body }))
         });
-        Compressor { pending: Vec::with_capacity(Self::CHUNK), chunks: Some(chunks), thread: Some(thread) }
-    }
-
-    fn send(&mut self, chunk: Vec<u8>) -> io::Result<()> {
-        let sent = self.chunks.as_ref().is_some_and(|c| c.send(chunk).is_ok());
-        if sent { Ok(()) } else { Err(self.join().err().unwrap_or_else(|| io::Error::other("compressor stopped"))) }
-    }
-
-    fn join(&mut self) -> io::Result<(W, Framed)> {
-        self.chunks = None;
-        let thread = self.thread.take().ok_or_else(|| io::Error::other("compressor already finished"))?;
-        thread.join().map_err(|_| io::Error::other("compressor panicked"))?
+        Compressor { pending: Vec::with_capacity(Self::CHUNK), chunks }
     }
 
     /// Sends what is left and ends the shard.
     pub fn finish(mut self) -> io::Result<(W, Framed)> {
         let last = std::mem::take(&mut self.pending);
         if !last.is_empty() {
-            self.send(last)?;
+            self.chunks.send(last)?;
         }
-        self.join()
+        self.chunks.finish()
     }
 }
 
@@ -81,7 +68,7 @@ impl<W: Write + Send + 'static> Write for Compressor<W> {
         while self.pending.len() >= Self::CHUNK {
             let rest = self.pending.split_off(Self::CHUNK);
             let chunk = std::mem::replace(&mut self.pending, rest);
-            self.send(chunk)?;
+            self.chunks.send(chunk)?;
         }
         Ok(buf.len())
     }

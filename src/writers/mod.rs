@@ -18,6 +18,7 @@ mod format;
 pub mod gzip;
 mod jsonl;
 mod parquet;
+mod pipe;
 
 use std::io::{self, Write};
 
