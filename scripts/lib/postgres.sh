@@ -3,7 +3,8 @@
 #
 # ensure_postgres: uses the server named by DATABASE_URL (default postgres://postgres@127.0.0.1:5432)
 # when it answers; otherwise starts a private cluster from the installed binaries in ./data/pg on
-# port EXPORTD_PG_PORT (default 55433), stopped again when the calling script exits.
+# port EXPORTD_PG_PORT (default 55433), stopped again when the calling script exits (and removed,
+# when the postgres user could not keep it inside the clone: nothing is left outside it).
 # Afterwards PG_SERVER_URL holds the server URL without a database name.
 
 pg_bindir() {
@@ -71,15 +72,16 @@ start_private_postgres() {
   mkdir -p "$dir"
   if [ "$(id -u)" = 0 ]; then
     chown postgres:postgres "$dir"
-    # A clone under a directory the postgres user cannot enter (/root is mode 700): keep the
-    # cluster where it can, named after the wanted directory so each clone has its own.
+    # A clone under a directory the postgres user cannot enter (/root is mode 700): run the
+    # cluster where it can, in a directory of this run's own that stop_private_postgres removes.
     if ! pg_run test -w "$dir"; then
       local elsewhere
-      elsewhere="/var/tmp/exportd-pg-$(printf '%s' "$dir" | sha256sum | cut -c1-12)"
-      echo "the postgres user cannot reach $dir; keeping this private cluster in $elsewhere instead"
+      elsewhere="$(mktemp -d "${TMPDIR:-/tmp}/exportd-pg.XXXXXX")"
+      echo "the postgres user cannot reach $dir; running this private cluster in $elsewhere until the script ends"
       rmdir "$dir" 2>/dev/null || true
       dir="$elsewhere"
-      mkdir -p "$dir" && chown postgres:postgres "$dir" && chmod 700 "$dir"
+      chown postgres:postgres "$dir" && chmod 700 "$dir"
+      PRIVATE_PG_REMOVE=1
     fi
   fi
   if [ ! -f "$dir/data/PG_VERSION" ]; then
@@ -97,7 +99,8 @@ start_private_postgres() {
 stop_private_postgres() {
   if [ -n "${PRIVATE_PG_DIR:-}" ]; then
     pg_run "$(pg_bindir)/pg_ctl" -D "$PRIVATE_PG_DIR/data" -m fast -w stop >/dev/null 2>&1 || true
-    PRIVATE_PG_DIR=""
+    if [ -n "${PRIVATE_PG_REMOVE:-}" ]; then rm -rf "$PRIVATE_PG_DIR"; fi
+    PRIVATE_PG_DIR="" PRIVATE_PG_REMOVE=""
   fi
   return 0
 }

@@ -112,10 +112,25 @@ impl utoipa::PartialSchema for IngestRecord {
 
 impl ToSchema for IngestRecord {}
 
+/// The ingest body as the document describes it: 1 to [`MAX_BATCH`] records.
+pub struct IngestBatch;
+
+impl utoipa::PartialSchema for IngestBatch {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::schema::ArrayBuilder::new()
+            .items(<IngestRecord as utoipa::PartialSchema>::schema())
+            .min_items(Some(1))
+            .max_items(Some(MAX_BATCH))
+            .into()
+    }
+}
+
+impl ToSchema for IngestBatch {}
+
 /// Writes a batch of records atomically: every record is validated against the dataset's
 /// columns first, and one bad record stores nothing.
 #[utoipa::path(post, path = "/v1/datasets/{dataset}/records", tag = "datasets",
-    security(("bearer" = [])), request_body = Vec<IngestRecord>,
+    security(("bearer" = [])), request_body = IngestBatch,
     params(("dataset" = String, Path, description = "dataset name")),
     responses(
         (status = 200, body = Object, description = "`{upserted, deleted}`"),

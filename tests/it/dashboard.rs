@@ -192,8 +192,23 @@ async fn the_dashboard_shows_the_usage_api_its_history_partners_and_an_export(po
         assert_eq!(drawn, api, "refusals/{kind}");
     }
     assert!(bars(dom, "egress", "egress_bytes").iter().any(|(_, v)| *v == 29.0 * 1048576.0), "generated history shows");
-    let limit = one(dom, "figure[data-chart=egress] line[data-limit]");
-    assert_eq!(attr(limit, "data-limit"), usage["limits"]["egress_bytes_per_day"].to_string());
+    // 29 MiB a day against a 50 GiB limit: the scale fits the data, ending on a round value, and
+    // a note says how far below the limit it is instead of a line the bars would not reach.
+    assert_eq!(text(one(dom, "figure[data-chart=egress] text[data-axis=top]")), "30 MiB");
+    assert_eq!(text(one(dom, "figure[data-chart=egress] text[data-axis=middle]")), "15 MiB");
+    assert!(select(dom, "figure[data-chart=egress] line[data-limit]").is_empty());
+    let note = one(dom, "figure[data-chart=egress] [data-limit-off-scale]");
+    assert_eq!(attr(note, "data-limit-off-scale"), usage["limits"]["egress_bytes_per_day"].to_string());
+    let share = 29.0 * 1048576.0 / usage["limits"]["egress_bytes_per_day"].as_f64().unwrap() * 100.0;
+    assert!(
+        text(note).contains("is off this scale") && text(note).contains(&format!("{share:.2} % of it")),
+        "{}",
+        text(note)
+    );
+    // Counts read with thousands separators, axes included.
+    assert_eq!(text(one(dom, "figure[data-chart=rows] text[data-axis=top]")), "30,000");
+    assert!(select(dom, "figure[data-chart=rows] details td").into_iter().any(|td| text(td) == "29,000"));
+    assert!(one(dom, "[data-charts-lag]").text().collect::<String>().contains("the tables above are live"));
     let tooltip = text(one(dom, "figure[data-chart=storage] rect[data-series=stored_bytes_max]:first-of-type title"));
     assert!(tooltip.contains("MiB"), "tooltips in readable units: {tooltip}");
     assert!(!select(dom, "figure[data-chart=egress] details table td").is_empty(), "the numbers as a table");
@@ -295,6 +310,48 @@ async fn a_quota_near_or_at_its_limit_is_called_out(pool: PgPool) {
     assert!(attr(warning, "class").contains("warn"));
     assert!(text(warning).contains(&format!("{share:.0} % of the limit")), "{}", text(warning));
     assert!(text(warning).contains("19.53 KiB"), "readable: {}", text(warning));
+    // The meter takes the alert's colour: yellow from 80 %, red at the limit (green below).
+    let meter = one(&dom, "meter[data-meter=stored_bytes]");
+    assert_eq!(
+        (attr(meter, "low"), attr(meter, "high"), attr(meter, "optimum")),
+        ("80".into(), "99.95".into(), "0".into())
+    );
+}
+
+/// Every running slot busy is a tenant at work, not an alert; a full queue is.
+#[sqlx::test(migrations = "./migrations")]
+async fn running_exports_at_their_limit_are_busy_and_a_full_queue_is_the_alert(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    app.seed("globex", "tickets", 10).await;
+    let hank = app.token("globex", "hank");
+    let usage: Value = app.get(Some(&hank), "/v1/usage").await.json().await.unwrap();
+    let (slots, queue) = (
+        usage["limits"]["max_running_exports"].as_u64().unwrap(),
+        usage["limits"]["max_queued_exports"].as_u64().unwrap(),
+    );
+    let mut running = Vec::new();
+    for _ in 0..slots {
+        app.export(&hank, &json!({"dataset": "tickets", "format": "csv"})).await;
+        running.push(exportd::jobs::ClaimedExport::claim(&app.deps(), "busy").await.unwrap().expect("claimed"));
+    }
+    for _ in 0..queue {
+        app.export(&hank, &json!({"dataset": "tickets", "format": "csv"})).await;
+    }
+    let request = app.client.get(app.url("/dashboard")).bearer_auth(&hank);
+    let dom = Html::parse_document(&request.send().await.unwrap().text().await.unwrap());
+    assert!(select(&dom, "[data-warning=running_exports]").is_empty(), "busy slots are not an alert");
+    let busy = one(&dom, "[data-busy=running_exports]");
+    assert_eq!((attr(busy, "role"), attr(busy, "class")), ("status".into(), "alert info".into()));
+    assert!(
+        text(busy).contains(&format!("All {slots} export slots are busy; {queue} queued exports wait")),
+        "{}",
+        text(busy)
+    );
+    assert!(one(&dom, "meter[data-meter=running_exports]").value().attr("low").is_none(), "no warning colours");
+    let full = one(&dom, "[data-warning=queued_exports]");
+    assert_eq!((attr(full, "role"), attr(full, "class")), ("alert".into(), "alert full".into()));
+    assert_eq!(attr(one(&dom, "meter[data-meter=queued_exports]"), "value"), "100.0");
+    drop(running);
 }
 
 #[sqlx::test(migrations = "./migrations")]

@@ -4,6 +4,8 @@
 
 use maud::{Markup, html};
 
+use super::units::{self, Quantity};
+
 const WIDTH: f64 = 640.0;
 const HEIGHT: f64 = 170.0;
 const LEFT: f64 = 70.0;
@@ -29,9 +31,12 @@ pub struct BarChart<'a> {
     pub series: Vec<Series>,
     /// Stacked bars (parts of one total) or side by side.
     pub stacked: bool,
-    /// Drawn as a dashed line, and the scale reaches it.
+    /// Drawn as a dashed line with the scale reaching it — when the data reaches a quarter of
+    /// it; further off, small usage would be a sliver under a far line, so the scale fits the
+    /// data and a note says how far below the limit it is.
     pub limit: Option<f64>,
-    pub format: fn(f64) -> String,
+    /// What the values are: their format and the round values the scale ends on.
+    pub quantity: Quantity,
 }
 
 /// One drawn bar.
@@ -81,7 +86,11 @@ impl BarChart<'_> {
             let values = self.series.iter().map(|s| s.values.get(i).copied().unwrap_or(0.0));
             if self.stacked { values.sum() } else { values.fold(0.0, f64::max) }
         });
-        let top = totals.fold(self.limit.unwrap_or(0.0), f64::max).max(1.0);
+        let highest = totals.fold(0.0, f64::max);
+        let limit_in_range = self.limit.filter(|limit| highest >= limit / 4.0);
+        let limit_off_scale = self.limit.filter(|_| limit_in_range.is_none());
+        let top = self.quantity.round_up(highest.max(limit_in_range.unwrap_or(0.0)));
+        let format = |v: f64| self.quantity.format(v);
         let plot_h = HEIGHT - TOP - BOTTOM;
         let slot = (WIDTH - LEFT) / n as f64;
         let y = |v: f64| TOP + plot_h - v / top * plot_h;
@@ -92,7 +101,9 @@ impl BarChart<'_> {
                 svg viewBox=(format!("0 0 {WIDTH} {HEIGHT}")) width=(WIDTH) height=(HEIGHT) role="img"
                     aria-label=(format!("{}: chart; the table below has the numbers", self.title)) {
                     line x1=(LEFT) y1=(y(0.0)) x2=(WIDTH) y2=(y(0.0)) stroke="#888" {}
-                    text x=(LEFT - 6.0) y=(TOP + 8.0) text-anchor="end" font-size="11" { ((self.format)(top)) }
+                    line x1=(LEFT) y1=(y(top / 2.0)) x2=(WIDTH) y2=(y(top / 2.0)) stroke="#ddd" {}
+                    text x=(LEFT - 6.0) y=(TOP + 8.0) text-anchor="end" font-size="11" data-axis="top" { (format(top)) }
+                    text x=(LEFT - 6.0) y=(y(top / 2.0) + 4.0) text-anchor="end" font-size="11" data-axis="middle" { (format(top / 2.0)) }
                     text x=(LEFT - 6.0) y=(y(0.0)) text-anchor="end" font-size="11" { "0" }
                     @for (i, label) in self.labels.iter().enumerate() {
                         @if i % every == 0 {
@@ -103,14 +114,20 @@ impl BarChart<'_> {
                         rect x=(format!("{:.1}", bar.x)) y=(format!("{:.1}", bar.y)) width=(format!("{:.1}", bar.width))
                             height=(format!("{:.1}", bar.height)) fill=(bar.colour) data-series=(bar.series.key)
                             data-label=(bar.label) data-value=(bar.value) {
-                            title { (bar.label) " · " (bar.series.name) ": " ((self.format)(bar.value)) }
+                            title { (bar.label) " · " (bar.series.name) ": " (format(bar.value)) }
                         }
                     }
-                    @if let Some(limit) = self.limit {
+                    @if let Some(limit) = limit_in_range {
                         line x1=(LEFT) y1=(y(limit)) x2=(WIDTH) y2=(y(limit)) stroke="#b00020" stroke-dasharray="5 4"
                             data-limit=(limit) {
-                            title { "limit: " ((self.format)(limit)) }
+                            title { "limit: " (format(limit)) }
                         }
+                    }
+                }
+                @if let Some(limit) = limit_off_scale {
+                    p.note data-limit-off-scale=(limit) {
+                        "The limit, " (format(limit)) ", is off this scale: the highest day reached "
+                        (share(highest, limit)) " of it."
                     }
                 }
                 @if self.series.len() > 1 {
@@ -130,7 +147,7 @@ impl BarChart<'_> {
                                 tr {
                                     th scope="row" { (label) }
                                     @for s in &self.series {
-                                        td { ((self.format)(s.values.get(i).copied().unwrap_or(0.0))) }
+                                        td { (format(s.values.get(i).copied().unwrap_or(0.0))) }
                                     }
                                 }
                             }
@@ -139,6 +156,17 @@ impl BarChart<'_> {
                 }
             }
         }
+    }
+}
+
+/// `used` as a share of `limit`, readable however small (`0.1 %`, `less than 0.01 %`).
+fn share(used: f64, limit: f64) -> String {
+    let percent = units::percent(used, limit);
+    match percent {
+        0.0 => "0 %".to_owned(),
+        p if p < 0.01 => "less than 0.01 %".to_owned(),
+        p if p < 1.0 => format!("{p:.2} %"),
+        p => format!("{p:.0} %"),
     }
 }
 
@@ -156,15 +184,34 @@ mod tests {
             series: vec![Series { name: "egress", key: "egress", values: vec![10.0, 30.0] }],
             stacked: true,
             limit: Some(40.0),
-            format: |v| format!("{v} B"),
+            quantity: Quantity::Bytes,
         };
         let svg = chart.render().into_string();
         assert!(svg.contains(r#"data-series="egress" data-label="Nov 2" data-value="30""#), "{svg}");
         assert!(svg.contains("<title>Nov 2 · egress: 30 B</title>"), "{svg}");
         assert!(svg.contains(r#"data-limit="40""#), "{svg}");
         assert!(svg.contains("<td>30 B</td>"), "{svg}");
-        // The 40-unit limit is the top of the scale: the 30 bar is three quarters of the plot.
+        // The 40-byte limit is the top of the scale: the 30 bar is three quarters of the plot.
         let plot = HEIGHT - TOP - BOTTOM;
         assert!(svg.contains(&format!(r#"height="{:.1}""#, plot * 0.75)), "{svg}");
+    }
+
+    #[test]
+    fn small_usage_gets_its_own_scale_and_a_note_on_the_limit() {
+        let labels = vec!["Nov 1".to_owned()];
+        let chart = BarChart {
+            id: "storage",
+            title: "Stored bytes",
+            labels: &labels,
+            series: vec![Series { name: "stored", key: "stored", values: vec![51.0 * 1024.0 * 1024.0] }],
+            stacked: true,
+            limit: Some(50.0 * 1024.0 * 1024.0 * 1024.0),
+            quantity: Quantity::Bytes,
+        };
+        let html = chart.render().into_string();
+        assert!(html.contains(r#"data-axis="top">60 MiB<"#), "{html}");
+        assert!(html.contains(r#"data-axis="middle">30 MiB<"#), "{html}");
+        assert!(!html.contains("data-limit="), "no limit line far off the scale: {html}");
+        assert!(html.contains("The limit, 50 GiB, is off this scale: the highest day reached 0.10 % of it."), "{html}");
     }
 }

@@ -4,7 +4,7 @@ use maud::{DOCTYPE, Markup, PreEscaped, html};
 use time::OffsetDateTime;
 
 use super::charts::{BarChart, Series};
-use super::units::{self, bytes, duration, relative};
+use super::units::{self, Quantity, bytes, count, duration, relative};
 use crate::audit::AuditEntry;
 use crate::exports::{ExportJob, ShardRecord};
 use crate::quota::RefusalKind;
@@ -18,7 +18,8 @@ const STYLE: &str = "body{font:14px/1.45 system-ui,sans-serif;margin:2em;color:#
     table{border-collapse:collapse;margin:.4em 0}td,th{padding:4px 10px;border-bottom:1px solid #d0d7de;text-align:left}\
     meter{width:260px;height:14px;vertical-align:middle;margin-right:8px}\
     .alert{padding:8px 12px;border-radius:4px;margin:.4em 0}.alert.warn{background:#fff8c5;border:1px solid #9a6700}\
-    .alert.full{background:#ffebe9;border:1px solid #cf222e}\
+    .alert.full{background:#ffebe9;border:1px solid #cf222e}.alert.info{background:#ddf4ff;border:1px solid #54aeff}\
+    .note{font-size:12px;margin:.2em 0}\
     .level-warn{color:#7d4e00;font-weight:600}.level-full{color:#a40e26;font-weight:600}\
     .lagging{color:#a40e26;font-weight:600}figure{margin:1em 0}figcaption{font-weight:600}\
     .charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(660px,1fr));gap:0 24px}\
@@ -71,19 +72,21 @@ pub struct Overview<'a> {
     pub now: OffsetDateTime,
 }
 
-/// One quota row: label, `data-metric` key, used, limit, how to show the numbers.
+/// One quota row: label, `data-metric` key, used, limit, how to show the numbers, and whether
+/// nearing the limit is a warning (running exports at the limit are a busy tenant, not trouble:
+/// the queue filling up is).
 struct Gauge {
     label: &'static str,
     key: &'static str,
     used: i64,
     limit: u64,
     format: fn(i64) -> String,
+    warns: bool,
 }
 
 impl Overview<'_> {
     fn gauges(&self) -> [Gauge; 4] {
         let (u, l) = (&self.usage.usage, &self.usage.limits);
-        let count = |n: i64| n.to_string();
         [
             Gauge {
                 label: "Running exports",
@@ -91,6 +94,7 @@ impl Overview<'_> {
                 used: u.running_exports,
                 limit: u64::from(l.max_running_exports),
                 format: count,
+                warns: false,
             },
             Gauge {
                 label: "Queued exports",
@@ -98,6 +102,7 @@ impl Overview<'_> {
                 used: u.queued_exports,
                 limit: u64::from(l.max_queued_exports),
                 format: count,
+                warns: true,
             },
             Gauge {
                 label: "Stored bytes",
@@ -105,6 +110,7 @@ impl Overview<'_> {
                 used: u.stored_bytes,
                 limit: l.storage_bytes,
                 format: bytes,
+                warns: true,
             },
             Gauge {
                 label: "Egress today",
@@ -112,6 +118,7 @@ impl Overview<'_> {
                 used: u.egress_bytes_today,
                 limit: l.egress_bytes_per_day,
                 format: bytes,
+                warns: true,
             },
         ]
     }
@@ -123,10 +130,15 @@ impl Overview<'_> {
             h1 { (self.tenant.name) " " small { "(" (self.tenant.id.as_str()) ")" } }
             @for g in &gauges {
                 @let percent = units::percent(g.used as f64, g.limit as f64);
-                @if percent >= 80.0 {
+                @if g.warns && percent >= 80.0 {
                     p class=(format!("alert {}", units::level(percent))) role=(if percent >= 100.0 { "alert" } else { "status" }) data-warning=(g.key) {
                         (g.label) " at " (format!("{percent:.0}")) " % of the limit: "
                         ((g.format)(g.used)) " of " ((g.format)(g.limit as i64)) "."
+                    }
+                } @else if !g.warns && percent >= 100.0 {
+                    p.alert.info role="status" data-busy=(g.key) {
+                        "All " (count(g.limit as i64)) " export slots are busy; " (count(u.queued_exports))
+                        " queued " (if u.queued_exports == 1 { "export waits" } else { "exports wait" }) " for one."
                     }
                 }
             }
@@ -141,20 +153,28 @@ impl Overview<'_> {
                             td { data value=(g.used) data-metric=(g.key) { ((g.format)(g.used)) } }
                             td { data value=(g.limit) data-limit=(g.key) { ((g.format)(g.limit as i64)) } }
                             td {
-                                meter min="0" max="100" value=(format!("{:.1}", percent.min(100.0))) aria-label=(format!("{} share of the limit", g.label)) {}
-                                span class=(format!("level-{}", units::level(percent))) { (format!("{percent:.1}")) " %" }
+                                @let value = format!("{:.1}", percent.min(100.0));
+                                @let label = format!("{} share of the limit", g.label);
+                                @if g.warns {
+                                    // Green below 80 %, yellow from 80 %, red at the limit: the alert's colours.
+                                    meter min="0" max="100" low="80" high="99.95" optimum="0" value=(value) aria-label=(label) data-meter=(g.key) {}
+                                    span class=(format!("level-{}", units::level(percent))) { (format!("{percent:.1}")) " %" }
+                                } @else {
+                                    meter min="0" max="100" value=(value) aria-label=(label) data-meter=(g.key) {}
+                                    span { (format!("{percent:.1}")) " %" }
+                                }
                             }
                         }
                     }
-                    tr { th scope="row" { "Rows exported today" } td { data value=(u.rows_exported_today) data-metric="rows_exported_today" { (u.rows_exported_today) } } td {} td {} }
-                    tr { th scope="row" { "Rate-limited requests (all time)" } td { data value=(u.rate_limited_requests) data-metric="rate_limited_requests" { (u.rate_limited_requests) } } td {} td {} }
-                    tr { th scope="row" { "Other refusals (all time)" } td { data value=(u.quota_rejections) data-metric="quota_rejections" { (u.quota_rejections) } } td {} td {} }
+                    tr { th scope="row" { "Rows exported today" } td { data value=(u.rows_exported_today) data-metric="rows_exported_today" { (count(u.rows_exported_today)) } } td {} td {} }
+                    tr { th scope="row" { "Rate-limited requests (all time)" } td { data value=(u.rate_limited_requests) data-metric="rate_limited_requests" { (count(u.rate_limited_requests)) } } td {} td {} }
+                    tr { th scope="row" { "Other refusals (all time)" } td { data value=(u.quota_rejections) data-metric="quota_rejections" { (count(u.quota_rejections)) } } td {} td {} }
                 }
             }
             h2 { "Refusals today" }
             table {
                 thead { tr { @for kind in u.refusals_today.keys() { th scope="col" { (kind) } } } }
-                tbody { tr { @for (kind, n) in &u.refusals_today { td data-refusals=(kind) { (n) } } } }
+                tbody { tr { @for (kind, n) in &u.refusals_today { td data-refusals=(kind) { (count(*n)) } } } }
             }
             h2 { "Queue" }
             p {
@@ -163,9 +183,12 @@ impl Overview<'_> {
             }
             table {
                 thead { tr { @for state in self.usage.queue.states.keys() { th scope="col" { (state) } } } }
-                tbody { tr { @for (state, n) in &self.usage.queue.states { td data-state=(state) { (n) } } } }
+                tbody { tr { @for (state, n) in &self.usage.queue.states { td data-state=(state) { (count(*n)) } } } }
             }
             h2 { "Last 30 days" }
+            p.note data-charts-lag="true" {
+                "The charts are recorded about once a minute, so the latest minute may not show in them yet; the tables above are live."
+            }
             div.charts { (self.charts()) }
             h2 { "Partners" }
             (self.partners_table())
@@ -180,8 +203,6 @@ impl Overview<'_> {
         let series =
             |name, key, f: fn(&Point) -> f64| Series { name, key, values: self.history.iter().map(f).collect() };
         let limits = &self.usage.limits;
-        let bytes_f = |v: f64| bytes(v as i64);
-        let count_f = |v: f64| format!("{v:.0}");
         let charts = [
             BarChart {
                 id: "egress",
@@ -190,7 +211,7 @@ impl Overview<'_> {
                 series: vec![series("egress", "egress_bytes", |p| p.egress_bytes as f64)],
                 stacked: true,
                 limit: Some(limits.egress_bytes_per_day as f64),
-                format: bytes_f,
+                quantity: Quantity::Bytes,
             },
             BarChart {
                 id: "storage",
@@ -199,7 +220,7 @@ impl Overview<'_> {
                 series: vec![series("stored", "stored_bytes_max", |p| p.stored_bytes_max as f64)],
                 stacked: true,
                 limit: Some(limits.storage_bytes as f64),
-                format: bytes_f,
+                quantity: Quantity::Bytes,
             },
             BarChart {
                 id: "exports",
@@ -212,7 +233,7 @@ impl Overview<'_> {
                 ],
                 stacked: true,
                 limit: None,
-                format: count_f,
+                quantity: Quantity::Count,
             },
             BarChart {
                 id: "rows",
@@ -221,7 +242,7 @@ impl Overview<'_> {
                 series: vec![series("rows", "rows_exported", |p| p.rows_exported as f64)],
                 stacked: true,
                 limit: None,
-                format: count_f,
+                quantity: Quantity::Count,
             },
             BarChart {
                 id: "refusals",
@@ -241,7 +262,7 @@ impl Overview<'_> {
                     .collect(),
                 stacked: true,
                 limit: None,
-                format: count_f,
+                quantity: Quantity::Count,
             },
             BarChart {
                 id: "durations",
@@ -253,7 +274,7 @@ impl Overview<'_> {
                 ],
                 stacked: false,
                 limit: None,
-                format: duration,
+                quantity: Quantity::Seconds,
             },
             BarChart {
                 id: "queued",
@@ -262,7 +283,7 @@ impl Overview<'_> {
                 series: vec![series("queued", "queued_max", |p| p.queued_max as f64)],
                 stacked: true,
                 limit: Some(f64::from(limits.max_queued_exports)),
-                format: count_f,
+                quantity: Quantity::Count,
             },
             BarChart {
                 id: "queue",
@@ -271,7 +292,7 @@ impl Overview<'_> {
                 series: vec![series("queue age", "oldest_queued_seconds_max", |p| p.oldest_queued_seconds_max as f64)],
                 stacked: true,
                 limit: None,
-                format: duration,
+                quantity: Quantity::Seconds,
             },
         ];
         html! { @for chart in &charts { (chart.render()) } }
@@ -291,7 +312,7 @@ impl Overview<'_> {
                         @for partner in self.partners {
                             tr data-partner=(partner.principal) {
                                 th scope="row" { (partner.principal) @if partner.disabled { " (disabled)" } }
-                                td data-partner-exports=(partner.principal) { (partner.exports) }
+                                td data-partner-exports=(partner.principal) { (count(partner.exports)) }
                                 td { data value=(partner.egress_bytes) data-partner-egress=(partner.principal) { (bytes(partner.egress_bytes)) } }
                                 td { @match partner.last_download_at { Some(at) => (relative(at, self.now)), None => "never" } }
                                 td {
@@ -328,8 +349,8 @@ impl Overview<'_> {
                         tr {
                             td { a href=(format!("/dashboard/exports/{}", job.id)) { code { (job.id) } } }
                             td { (job.dataset) } td { (job.principal) } td { (job.state.as_str()) }
-                            td { (job.rows_done) }
-                            td data-expected-rows=(job.id) { @match outlook.rows_total_estimate { Some(n) => (n), None => "–" } }
+                            td { (count(job.rows_done)) }
+                            td data-expected-rows=(job.id) { @match outlook.rows_total_estimate { Some(n) => (count(n as i64)), None => "–" } }
                             td data-eta=(job.id) { @match outlook.eta_seconds { Some(s) => (duration(s as f64)), None => "–" } }
                             td { (relative(job.created_at, self.now)) }
                         }
@@ -379,9 +400,9 @@ impl ExportPage<'_> {
                 dt { "Requested by" } dd { (job.principal) }
                 dt { "Created, started, finished" } dd { (when(Some(job.created_at))) ", " (when(job.started_at)) ", " (when(job.finished_at)) }
                 dt { "Progress" } dd data-field="progress" {
-                    (job.rows_done) " rows"
-                    @if let Some(total) = outlook.rows_total_estimate { " of " span data-field="expected-rows" { (total) } }
-                    " in " (job.shards_done) " shards, " (bytes(job.bytes_done))
+                    (count(job.rows_done)) " rows"
+                    @if let Some(total) = outlook.rows_total_estimate { " of " span data-field="expected-rows" { (count(total as i64)) } }
+                    " in " (count(i64::from(job.shards_done))) " shards, " (bytes(job.bytes_done))
                 }
                 dt { "ETA" } dd data-field="eta" { @match outlook.eta_seconds { Some(s) => (duration(s as f64)), None => "–" } }
                 @if let (Some(size), Some(sha256)) = (job.file_bytes, &job.file_sha256) {
@@ -395,7 +416,7 @@ impl ExportPage<'_> {
                 tbody {
                     @for shard in self.shards {
                         tr data-shard=(shard.shard_index) {
-                            td { (shard.shard_index) } td { (shard.rows) } td { (bytes(shard.bytes)) } td { code { (shard.sha256) } }
+                            td { (shard.shard_index) } td { (count(shard.rows)) } td { (bytes(shard.bytes)) } td { code { (shard.sha256) } }
                         }
                     }
                 }

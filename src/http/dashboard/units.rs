@@ -6,6 +6,62 @@ use maud::{Markup, html};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
+/// `500008` → `500,008`: counts with thousands separators.
+pub fn count(n: i64) -> String {
+    let digits = n.unsigned_abs().to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3 + 1);
+    if n < 0 {
+        out.push('-');
+    }
+    for (i, digit) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(digit);
+    }
+    out
+}
+
+/// What a chart's numbers are, for a scale that ends on a round value of their unit.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Quantity {
+    Count,
+    Bytes,
+    Seconds,
+}
+
+impl Quantity {
+    /// The smallest round value at or above `max` (at least 1): 1, 1.5, 2, 2.5, 3, 4, 5, 6 or 8
+    /// times a power of ten of counts, of a binary byte unit (`60 MiB`), or of seconds, minutes,
+    /// hours or days. A count's scale is even, so that its middle line is a whole number too.
+    pub fn round_up(self, max: f64) -> f64 {
+        let max = max.max(1.0);
+        let unit = match self {
+            Quantity::Count => 1.0,
+            Quantity::Bytes => (0..=6).map(|p| 1024f64.powi(p)).take_while(|u| *u <= max).last().unwrap_or(1.0),
+            Quantity::Seconds => {
+                [1.0, 60.0, 3600.0, 86_400.0].into_iter().take_while(|u| *u <= max).last().unwrap_or(1.0)
+            }
+        };
+        let scaled = max / unit;
+        let power = 10f64.powi(scaled.log10().floor() as i32);
+        let whole_half = |top: f64| self != Quantity::Count || (top / 2.0).fract() == 0.0;
+        let step = [1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0]
+            .into_iter()
+            .find(|s| s * power >= scaled - 1e-9 && whole_half(s * power))
+            .unwrap_or(10.0);
+        step * power * unit
+    }
+
+    pub fn format(self, value: f64) -> String {
+        match self {
+            Quantity::Count => count(value.round() as i64),
+            Quantity::Bytes => bytes(value as i64),
+            Quantity::Seconds => duration(value),
+        }
+    }
+}
+
 /// `3974` → `3.88 KiB`; `5368709120` → `5 GiB`.
 pub fn bytes(n: i64) -> String {
     let formatted = format_size(n.max(0) as u64, BINARY);
@@ -79,6 +135,24 @@ mod tests {
         assert_eq!(duration(72.0 * 3600.0 - 60.0), "3 days");
         assert_eq!((level(79.9), level(80.0), level(100.0)), ("ok", "warn", "full"));
         assert_eq!(percent(1.0, 0.0), 100.0);
+        assert_eq!(
+            (count(500_008), count(-1234), count(999), count(0)),
+            ("500,008".into(), "-1,234".into(), "999".into(), "0".into())
+        );
+    }
+
+    #[test]
+    fn scales_end_on_round_values_of_their_unit() {
+        assert_eq!(Quantity::Count.round_up(400_005.0), 500_000.0);
+        assert_eq!(Quantity::Count.round_up(7.0), 8.0);
+        assert_eq!(Quantity::Count.round_up(0.0), 2.0, "a middle line at 1, not 0.5");
+        assert_eq!(Quantity::Count.round_up(3.0), 4.0);
+        assert_eq!(Quantity::Count.round_up(12.0), 20.0, "not 15: its middle would be 7.5");
+        assert_eq!(Quantity::Count.round_up(120.0), 150.0);
+        assert_eq!(Quantity::Bytes.format(Quantity::Bytes.round_up(51.0 * 1024.0 * 1024.0)), "60 MiB");
+        assert_eq!(Quantity::Bytes.format(Quantity::Bytes.round_up(3000.0)), "3 KiB");
+        assert_eq!(Quantity::Seconds.format(Quantity::Seconds.round_up(95.0)), "2 min");
+        assert_eq!(Quantity::Seconds.format(Quantity::Seconds.round_up(7.3)), "8.0 s");
     }
 
     #[test]
