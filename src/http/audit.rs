@@ -18,7 +18,8 @@ pub fn router() -> OpenApiRouter<AppState> {
 #[derive(Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct AuditParams {
-    /// `next_cursor` of the previous page.
+    /// `next_cursor` of the previous page: an opaque token this API handed out (any other text
+    /// is refused with 400 naming `cursor`).
     #[param(min_length = 1)]
     cursor: Option<String>,
     /// Page size, 1 to 500 (default 100).

@@ -293,7 +293,8 @@ pub struct ListParams {
     /// Only jobs in this state.
     #[param(pattern = "^(QUEUED|RUNNING|CANCEL_REQUESTED|SUCCEEDED|FAILED|CANCELLED|EXPIRED|REVOKED)$")]
     state: Option<String>,
-    /// `next_cursor` of the previous page.
+    /// `next_cursor` of the previous page: an opaque token this API handed out (any other text
+    /// is refused with 400 naming `cursor`).
     #[param(min_length = 1)]
     cursor: Option<String>,
     /// Page size, 1 to 200 (default 50).

@@ -37,7 +37,9 @@ pub(super) async fn tenant_usage(state: &AppState, tenant: &crate::tenants::Tena
 #[derive(Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct HistoryParams {
-    /// RFC 3339; rounded down to its bucket (default: 30 days or 24 hours before `to`).
+    /// RFC 3339; rounded down to its bucket (default: 30 days or 24 hours before `to`). From
+    /// `from` to `to` spans at most 400 days (`day`) or 744 hours (`hour`): a longer span is
+    /// refused with 400 naming `from`.
     #[param(value_type = Option<String>, format = DateTime)]
     from: Option<String>,
     /// RFC 3339, excluded; rounded up to a bucket boundary (default: the end of the current bucket).

@@ -34,7 +34,8 @@ pub struct DeliveriesParams {
     /// Only events about this export.
     #[param(format = Uuid)]
     export_id: Option<String>,
-    /// `next_cursor` of the previous page.
+    /// `next_cursor` of the previous page: an opaque token this API handed out (any other text
+    /// is refused with 400 naming `cursor`).
     #[param(pattern = "^[0-9]{1,18}$")]
     cursor: Option<String>,
     /// Page size, 1 to 500 (default 100).
