@@ -46,15 +46,17 @@ const BATCHES_IN_FLIGHT: usize = 2;
 /// Field metadata naming the dataset type of a column whose Arrow type does not say it.
 pub const TYPE_METADATA: &str = "exportd.type";
 
-/// A file format's writer of Arrow batches: bytes go to `out` as they are ready.
+/// A file format's writer of Arrow batches into the output it was started with.
 pub trait BatchWriter: Send {
-    fn write(&mut self, batch: &RecordBatch, out: &mut dyn Write) -> io::Result<()>;
+    fn write(&mut self, batch: &RecordBatch) -> io::Result<()>;
     /// Ends the file (its footer) and returns each column's statistics as the footer has them.
-    fn finish(self: Box<Self>, out: &mut dyn Write) -> io::Result<Vec<ColumnStats>>;
+    fn finish(self: Box<Self>) -> io::Result<Vec<ColumnStats>>;
 }
 
-/// Starts a format's writer for one shard of `spec` with batches of `schema`.
-pub type BatchWriterStart = fn(&ShardSpec, SchemaRef) -> io::Result<Box<dyn BatchWriter>>;
+/// Starts a format's writer for one shard of `spec`, with batches of `schema`, writing to `out`
+/// as its bytes are ready (a row group streams out as it is flushed, never copied whole).
+pub type BatchWriterStart =
+    for<'w> fn(&ShardSpec, SchemaRef, &'w mut (dyn Write + Send)) -> io::Result<Box<dyn BatchWriter + 'w>>;
 
 /// One column's statistics over a whole shard file: the smallest and largest value (in the
 /// column's order, as the manifest renders values: numbers and booleans as JSON, decimals and
@@ -192,19 +194,26 @@ impl BatchBuilder {
         Ok(BatchBuilder { schema, columns: columns.to_vec(), values, rows: 0, bytes: 0 })
     }
 
-    /// Appends one record; on an error the batch is unusable (the shard is abandoned).
+    /// Appends one record, or none of it: every value is converted before any is appended, so
+    /// a refused record leaves the batch as it was (an estimate's sample skips it and goes on).
     pub fn push(&mut self, key: &str, fields: &Fields<'_>) -> io::Result<()> {
+        let mut row = Vec::with_capacity(self.columns.len());
         for (i, column) in self.columns.iter().enumerate() {
             // The key column is always first.
             let cell = if i == 0 { Cell::String(key.into()) } else { fields.get(i)? };
-            let fit = |reason: &str| DoesNotFit {
-                column: column.name.clone(),
-                declared: declared(column),
-                reason: reason.to_owned(),
-                key: key.to_owned(),
-            };
-            self.bytes += append(&mut self.values[i], &cell, column.required, column.ty)
-                .map_err(|reason| io::Error::new(io::ErrorKind::InvalidData, fit(reason)))?;
+            let value = convert(&self.values[i], cell, column).map_err(|reason| {
+                let unfit = DoesNotFit {
+                    column: column.name.clone(),
+                    declared: declared(column),
+                    reason: reason.to_owned(),
+                    key: key.to_owned(),
+                };
+                io::Error::new(io::ErrorKind::InvalidData, unfit)
+            })?;
+            row.push(value);
+        }
+        for (values, value) in self.values.iter_mut().zip(row) {
+            self.bytes += value.append_to(values);
         }
         self.rows += 1;
         Ok(())
@@ -236,88 +245,110 @@ fn declared(column: &OutputColumn) -> String {
     }
 }
 
-/// Appends `cell` to `values`; returns the text bytes it added, or why it does not fit.
-fn append(values: &mut Values, cell: &Cell<'_>, required: bool, ty: ColumnType) -> Result<usize, &'static str> {
-    if matches!(cell, Cell::Null) {
-        if required {
-            return Err("a required value is null or missing");
+/// One converted value, ready to append to its column.
+enum Converted<'a> {
+    Null,
+    Text(std::borrow::Cow<'a, str>),
+    Integer(i64),
+    Decimal(i128),
+    Boolean(bool),
+    Timestamp(i64),
+}
+
+impl Converted<'_> {
+    /// Appends to `values` (the column it was converted for); returns the bytes it adds.
+    fn append_to(self, values: &mut Values) -> usize {
+        match (self, values) {
+            (Converted::Null, Values::Text(b)) => b.append_null(),
+            (Converted::Null, Values::Integer(b)) => b.append_null(),
+            (Converted::Null, Values::Decimal { values, .. }) => values.append_null(),
+            (Converted::Null, Values::Boolean(b)) => b.append_null(),
+            (Converted::Null, Values::Timestamp(b)) => b.append_null(),
+            (Converted::Text(text), Values::Text(b)) => {
+                b.append_value(&text);
+                return text.len();
+            }
+            (Converted::Integer(v), Values::Integer(b)) => b.append_value(v),
+            (Converted::Decimal(v), Values::Decimal { values, .. }) => values.append_value(v),
+            (Converted::Boolean(v), Values::Boolean(b)) => b.append_value(v),
+            (Converted::Timestamp(v), Values::Timestamp(b)) => b.append_value(v),
+            _ => unreachable!("a value is converted for its own column"),
         }
-        match values {
-            Values::Text(b) => b.append_null(),
-            Values::Integer(b) => b.append_null(),
-            Values::Decimal { values, .. } => values.append_null(),
-            Values::Boolean(b) => b.append_null(),
-            Values::Timestamp(b) => b.append_null(),
-        }
-        return Ok(0);
+        8
     }
-    match values {
-        Values::Text(_) if ty == ColumnType::Number && !matches!(cell, Cell::Number(_)) => {
-            Err("a value is not a number")
+}
+
+/// `cell` as column `column` (whose values are `values`) holds it, or why it does not fit.
+fn convert<'a>(values: &Values, cell: Cell<'a>, column: &OutputColumn) -> Result<Converted<'a>, &'static str> {
+    if matches!(cell, Cell::Null) {
+        return if column.required { Err("a required value is null or missing") } else { Ok(Converted::Null) };
+    }
+    match (values, cell) {
+        (Values::Text(_), Cell::Number(text)) if column.ty == ColumnType::Number => {
+            Ok(Converted::Text(std::borrow::Cow::Borrowed(text)))
         }
-        Values::Text(b) => {
-            let text = text_of(cell, ty);
-            b.append_value(&text);
-            Ok(text.len())
+        (Values::Text(_), _) if column.ty == ColumnType::Number => Err("a value is not a number"),
+        (Values::Text(_), cell) => Ok(Converted::Text(text_of(cell, column.ty))),
+        (Values::Integer(_), Cell::Number(text)) => {
+            let units = exact_units(text, 38, 0).map_err(|reason| {
+                if reason == TOO_MANY_DIGITS { "a value is outside the INT64 range" } else { reason }
+            })?;
+            i64::try_from(units).map(Converted::Integer).map_err(|_| "a value is outside the INT64 range")
         }
-        Values::Integer(b) => match cell {
-            Cell::Number(text) => {
-                let units = exact_units(text, 38, 0)?;
-                b.append_value(i64::try_from(units).map_err(|_| "a value is outside the INT64 range")?);
-                Ok(8)
-            }
-            _ => Err("a value is not a number"),
-        },
-        Values::Decimal { values, precision, scale } => match cell {
-            Cell::Number(text) => {
-                values.append_value(exact_units(text, *precision, *scale)?);
-                Ok(16)
-            }
-            _ => Err("a value is not a number"),
-        },
-        Values::Boolean(b) => match cell {
-            Cell::Bool(v) => {
-                b.append_value(*v);
-                Ok(1)
-            }
-            _ => Err("a value is not true or false"),
-        },
-        Values::Timestamp(b) => match cell {
-            Cell::String(text) => {
-                b.append_value(timestamp_micros(text)?);
-                Ok(8)
-            }
-            _ => Err("a value is not an RFC 3339 timestamp string"),
-        },
+        (Values::Decimal { precision, scale, .. }, Cell::Number(text)) => {
+            exact_units(text, *precision, *scale).map(Converted::Decimal)
+        }
+        (Values::Boolean(_), Cell::Bool(v)) => Ok(Converted::Boolean(v)),
+        (Values::Boolean(_), _) => Err("a value is not true or false"),
+        (Values::Timestamp(_), Cell::String(text)) => timestamp_micros(&text).map(Converted::Timestamp),
+        (Values::Timestamp(_), _) => Err("a value is not an RFC 3339 timestamp string"),
+        _ => Err("a value is not a number"),
     }
 }
 
 /// The text a text column holds for `cell`: strings verbatim (no formula escaping: that is a
 /// CSV concern); numbers as stored; JSON columns hold JSON text (a string value quoted).
-fn text_of<'a>(cell: &'a Cell<'a>, ty: ColumnType) -> std::borrow::Cow<'a, str> {
+fn text_of(cell: Cell<'_>, ty: ColumnType) -> std::borrow::Cow<'_, str> {
     use std::borrow::Cow;
     match cell {
         Cell::Null => Cow::Borrowed(""),
         Cell::String(text) if ty == ColumnType::Json => {
             Cow::Owned(serde_json::to_string(text.as_ref()).expect("strings serialize"))
         }
-        Cell::String(text) => Cow::Borrowed(text.as_ref()),
+        Cell::String(text) => text,
         Cell::Number(text) => Cow::Borrowed(text),
-        Cell::Bool(b) => Cow::Borrowed(if *b { "true" } else { "false" }),
+        Cell::Bool(b) => Cow::Borrowed(if b { "true" } else { "false" }),
         Cell::Json(value) => Cow::Owned(value.to_string()),
     }
 }
 
 /// An RFC 3339 timestamp as microseconds since the epoch, UTC (the offset is applied; the
-/// instant is kept). Digits below a microsecond do not fit: nothing is rounded.
+/// instant is kept). Digits below a microsecond do not fit: nothing is rounded or cut. Second
+/// 60 and 24:00:00 are read as PostgreSQL reads them: the next second, the next day.
 fn timestamp_micros(text: &str) -> Result<i64, &'static str> {
-    let at = time::OffsetDateTime::parse(text, &Rfc3339).map_err(|_| "a value is not an RFC 3339 timestamp")?;
-    let nanos = at.unix_timestamp_nanos();
-    if nanos % 1000 != 0 {
+    const NOT_RFC_3339: &str = "a value is not an RFC 3339 timestamp";
+    // `YYYY-MM-DDTHH:MM:SS[.fraction](Z|±HH:MM)`: the parser drops digits past the ninth, so
+    // the fraction is checked here.
+    let fraction = text.get(19..).and_then(|rest| rest.strip_prefix('.')).unwrap_or("");
+    let digits = fraction.bytes().take_while(u8::is_ascii_digit).count();
+    if fraction.as_bytes()[..digits].iter().skip(6).any(|d| *d != b'0') {
         return Err("a timestamp has digits below a microsecond");
     }
-    i64::try_from(nanos / 1000).map_err(|_| "a timestamp is outside the microsecond range")
+    // Second 60 or hour 24 as the moment after 59 or 23.
+    let (mut normal, mut carry) = (std::borrow::Cow::Borrowed(text), time::Duration::ZERO);
+    if text.get(17..19) == Some("60") {
+        normal = std::borrow::Cow::Owned(format!("{}59{}", &text[..17], &text[19..]));
+        carry = time::Duration::SECOND;
+    } else if text.get(11..19) == Some("24:00:00") {
+        normal = std::borrow::Cow::Owned(format!("{}23{}", &text[..11], &text[13..]));
+        carry = time::Duration::HOUR;
+    }
+    let at = time::OffsetDateTime::parse(&normal, &Rfc3339).map_err(|_| NOT_RFC_3339)? + carry;
+    i64::try_from(at.unix_timestamp_nanos() / 1000).map_err(|_| "a timestamp is outside the microsecond range")
 }
+
+/// [`exact_units`]'s refusal of a value with more digits than the precision.
+const TOO_MANY_DIGITS: &str = "a value has more digits than the column's precision";
 
 /// A JSON number's text as a count of `10^-scale`, exactly, with at most `precision` digits.
 /// Trailing fractional zeros beyond the scale are fine (`12.50` fits scale 1); any other digit
@@ -329,36 +360,48 @@ pub fn exact_units(text: &str, precision: u8, scale: u8) -> Result<i128, &'stati
         None => (false, text),
     };
     let (mantissa, exponent) = match unsigned.split_once(['e', 'E']) {
-        Some((m, e)) => (m, e.parse::<i64>().map_err(|_| NOT_A_NUMBER)?),
-        None => (unsigned, 0),
+        Some((m, e)) => (m, Some(e)),
+        None => (unsigned, None),
     };
     let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
     let all_digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
     if whole.is_empty() || !all_digits(whole) || !all_digits(fraction) {
         return Err(NOT_A_NUMBER);
     }
+    // An exponent beyond i64 still says which way: saturate (a zero is zero whatever it says).
+    let exponent = match exponent {
+        None => 0,
+        Some(e) => {
+            let digits = e.strip_prefix(['+', '-']).unwrap_or(e);
+            if digits.is_empty() || !all_digits(digits) {
+                return Err(NOT_A_NUMBER);
+            }
+            e.parse::<i64>().unwrap_or(if e.starts_with('-') { i64::MIN / 2 } else { i64::MAX / 2 })
+        }
+    };
     let digits: String = [whole, fraction].concat();
     let digits = digits.trim_start_matches('0');
     if digits.is_empty() {
         return Ok(0);
     }
     // value = digits × 10^(exponent − len(fraction)); units = value × 10^scale.
-    let shift = i64::from(scale) + exponent - fraction.len() as i64;
+    let shift = i64::from(scale).saturating_add(exponent).saturating_sub(fraction.len() as i64);
     let significant = if shift >= 0 {
         digits
     } else {
-        let cut = digits.len().saturating_sub(shift.unsigned_abs() as usize);
+        let dropped = usize::try_from(shift.unsigned_abs()).unwrap_or(usize::MAX);
+        let cut = digits.len().saturating_sub(dropped);
         if !digits[cut..].bytes().all(|b| b == b'0') {
             return Err("a value has more digits after the point than the column's scale");
         }
         &digits[..cut]
     };
-    let zeros = shift.max(0) as usize;
     if significant.is_empty() {
         return Ok(0);
     }
-    if significant.len() + zeros > usize::from(precision) {
-        return Err("a value has more digits than the column's precision");
+    let zeros = usize::try_from(shift.max(0)).unwrap_or(usize::MAX);
+    if zeros > usize::from(precision) || significant.len() + zeros > usize::from(precision) {
+        return Err(TOO_MANY_DIGITS);
     }
     let units: i128 = format!("{significant}{}", "0".repeat(zeros)).parse().map_err(|_| NOT_A_NUMBER)?;
     Ok(if negative { -units } else { units })
@@ -381,13 +424,16 @@ impl<W: Write + Send + 'static> ColumnarShard<W> {
     pub fn start(out: W, spec: &ShardSpec, writer: BatchWriterStart) -> io::Result<Self> {
         let schema = arrow_schema(&spec.columns)?;
         let builder = BatchBuilder::new(&spec.columns, schema.clone())?;
-        let mut writer = writer(spec, schema)?;
+        // A spec the writer refuses (e.g. another format's codec) fails here, not in the thread.
+        drop(writer(spec, schema.clone(), &mut io::sink())?);
+        let spec = spec.clone();
         let batches = Pipe::spawn(BATCHES_IN_FLIGHT, move |received| {
             let mut out = HashingWriter::new(out);
+            let mut file = writer(&spec, schema, &mut out)?;
             for batch in received {
-                writer.write(&batch, &mut out)?;
+                file.write(&batch?)?;
             }
-            let stats = writer.finish(&mut out)?;
+            let stats = file.finish()?;
             let (out, bytes, sha256) = out.into_parts();
             Ok((out, WrittenFile { bytes, sha256, stats }))
         });
@@ -430,6 +476,8 @@ mod tests {
             ("1e3", 4, 0, 1000),
             ("1.5E-2", 5, 3, 15),
             ("-0.000", 1, 0, 0),
+            ("0e99999999999999999999", 3, 0, 0),
+            ("00012.5", 4, 1, 125),
             ("99999999999999999999999999999999999999", 38, 0, 99999999999999999999999999999999999999),
         ];
         for (text, precision, scale, units) in fits {
@@ -444,6 +492,10 @@ mod tests {
             ("12a", 10, 0, "not a number"),
             ("", 10, 0, "not a number"),
             (".5", 10, 1, "not a number"),
+            ("1e9223372036854775807", 18, 2, "precision"),
+            ("1e99999999999999999999", 18, 2, "precision"),
+            ("1e-99999999999999999999", 18, 2, "after the point"),
+            ("1e", 18, 2, "not a number"),
         ];
         for (text, precision, scale, reason) in refused {
             let err = exact_units(text, precision, scale).unwrap_err();
@@ -458,6 +510,11 @@ mod tests {
         assert_eq!(timestamp_micros("0000-01-01T00:00:00Z"), Ok(-62_167_219_200_000_000));
         assert_eq!(timestamp_micros("9999-12-31T23:59:59.999999Z"), Ok(253_402_300_799_999_999));
         assert!(timestamp_micros("2026-01-01T00:00:00.0000001Z").unwrap_err().contains("below a microsecond"));
+        assert!(timestamp_micros("2026-01-01T00:00:00.1234560001Z").unwrap_err().contains("below a microsecond"));
+        assert_eq!(timestamp_micros("1970-01-01T00:00:00.123456000Z"), Ok(123_456));
+        assert_eq!(timestamp_micros("1969-12-31T23:59:60Z"), Ok(0), "a leap second is the next second");
+        assert_eq!(timestamp_micros("1969-12-31T24:00:00Z"), Ok(0), "24:00 is the next day");
+        assert_eq!(timestamp_micros("1970-01-01T00:00:60.5+00:00"), Ok(60_500_000));
         assert!(timestamp_micros("2026-01-01").unwrap_err().contains("RFC 3339"));
     }
 }

@@ -1,12 +1,11 @@
 //! Deflating on a thread of its own, into the shard framing of [`super::gzip`].
 
 use std::io::{self, Write};
-use std::sync::mpsc::Receiver;
 
 use super::HashingWriter;
 use super::codec::Codec;
 use super::gzip::{FINAL_BLOCK, GZIP_HEADER, Part, PartCompressor, trailer};
-use super::pipe::Pipe;
+use super::pipe::{Items, Pipe};
 
 /// A framed shard as written.
 pub struct Framed {
@@ -29,7 +28,7 @@ impl<W: Write + Send + 'static> Compressor<W> {
 
     /// Starts a shard with `head` (BOM and CSV header, or nothing) as its own part.
     pub fn start(out: W, codec: Codec, head: Vec<u8>) -> Self {
-        let chunks = Pipe::spawn(2, move |received: Receiver<Vec<u8>>| {
+        let chunks = Pipe::spawn(2, move |received: Items<Vec<u8>>| {
             let mut out = HashingWriter::new(out);
             let mut buf = Vec::with_capacity(Self::CHUNK);
             out.write_all(&GZIP_HEADER)?;
@@ -38,7 +37,7 @@ impl<W: Write + Send + 'static> Compressor<W> {
             let head = head_part.finish(&mut buf)?;
             let mut body_part = PartCompressor::new(codec)?;
             for chunk in received {
-                body_part.write(&chunk, &mut buf)?;
+                body_part.write(&chunk?, &mut buf)?;
                 out.write_all(&buf)?;
                 buf.clear();
             }

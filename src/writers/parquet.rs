@@ -44,37 +44,31 @@ const WRITE_BATCH_ROWS: usize = 1024;
 /// Longest min/max kept for text in statistics and the column index.
 const BOUND_BYTES: usize = 64;
 
-struct ParquetShard {
-    writer: ArrowWriter<Vec<u8>>,
+struct ParquetShard<'w> {
+    writer: ArrowWriter<&'w mut (dyn Write + Send)>,
     columns: Vec<OutputColumn>,
 }
 
-impl ParquetShard {
-    fn start(spec: &ShardSpec, schema: SchemaRef) -> io::Result<Box<dyn BatchWriter>> {
-        let writer = ArrowWriter::try_new(Vec::new(), schema, Some(properties(spec)?)).map_err(io::Error::other)?;
+impl ParquetShard<'_> {
+    fn start<'w>(
+        spec: &ShardSpec,
+        schema: SchemaRef,
+        out: &'w mut (dyn Write + Send),
+    ) -> io::Result<Box<dyn BatchWriter + 'w>> {
+        let writer = ArrowWriter::try_new(out, schema, Some(properties(spec)?)).map_err(io::Error::other)?;
         Ok(Box::new(ParquetShard { writer, columns: spec.columns.clone() }))
-    }
-
-    /// Moves what the writer has produced so far to `out` (never touching bytes not yet
-    /// flushed to its buffer: its own offsets stay right).
-    fn drain(&mut self, out: &mut dyn Write) -> io::Result<()> {
-        let written = self.writer.inner_mut();
-        out.write_all(written)?;
-        written.clear();
-        Ok(())
     }
 }
 
-impl BatchWriter for ParquetShard {
-    fn write(&mut self, batch: &arrow_array::RecordBatch, out: &mut dyn Write) -> io::Result<()> {
-        self.writer.write(batch).map_err(io::Error::other)?;
-        self.drain(out)
+impl BatchWriter for ParquetShard<'_> {
+    fn write(&mut self, batch: &arrow_array::RecordBatch) -> io::Result<()> {
+        self.writer.write(batch).map_err(io::Error::other)
     }
 
-    fn finish(mut self: Box<Self>, out: &mut dyn Write) -> io::Result<Vec<ColumnStats>> {
-        let metadata = self.writer.finish().map_err(io::Error::other)?;
-        self.drain(out)?;
-        Ok(self.columns.iter().enumerate().map(|(i, column)| column_stats(column, i, &metadata)).collect())
+    fn finish(self: Box<Self>) -> io::Result<Vec<ColumnStats>> {
+        let ParquetShard { mut writer, columns } = *self;
+        let metadata = writer.finish().map_err(io::Error::other)?;
+        Ok(columns.iter().enumerate().map(|(i, column)| column_stats(column, i, &metadata)).collect())
     }
 }
 
@@ -161,8 +155,11 @@ impl Bound {
         }
     }
 
-    /// The value as the manifest shows it for a column of `column`'s type.
-    fn render(self, column: &OutputColumn) -> Value {
+    /// The value as the manifest shows it for a column of `column`'s type; `upper` for a
+    /// maximum. A text bound the footer cut inside a character (JSON columns are cut by bytes)
+    /// is shown as valid UTF-8 that still bounds the column: its whole characters for a
+    /// minimum, followed by U+10FFFF (above any character) for a maximum.
+    fn render(self, column: &OutputColumn, upper: bool) -> Value {
         match (self, column.ty, column.decimal()) {
             (Bound::Bool(b), ..) => Value::Bool(b),
             (Bound::Int(units), ColumnType::Number, Some((_, scale))) => Value::String(decimal_text(units, scale)),
@@ -173,7 +170,17 @@ impl Bound {
                     .map_or(Value::Null, Value::String)
             }
             (Bound::Int(n), ..) => i64::try_from(n).map_or(Value::Null, Value::from),
-            (Bound::Bytes(bytes), ..) => Value::String(String::from_utf8_lossy(&bytes).into_owned()),
+            (Bound::Bytes(bytes), ..) => Value::String(match String::from_utf8(bytes) {
+                Ok(text) => text,
+                Err(cut) => {
+                    let valid = cut.utf8_error().valid_up_to();
+                    let mut text = String::from_utf8_lossy(&cut.as_bytes()[..valid]).into_owned();
+                    if upper {
+                        text.push('\u{10FFFF}');
+                    }
+                    text
+                }
+            }),
         }
     }
 }
@@ -203,23 +210,32 @@ fn column_stats(column: &OutputColumn, index: usize, metadata: &ParquetMetaData)
         let Some(stats) = row_group.column(index).statistics() else { continue };
         null_count += stats.null_count_opt().unwrap_or(0);
         let (low, high) = Bound::of(stats);
-        if let Some(low) = low
-            && min.as_ref().is_none_or(|(m, _)| low < *m)
-        {
-            min = Some((low, stats.min_is_exact()));
+        // On a tie the bound is exact if either row group's is.
+        if let Some(low) = low {
+            match &mut min {
+                Some((m, exact)) if low == *m => *exact |= stats.min_is_exact(),
+                Some((m, _)) if low > *m => {}
+                _ => min = Some((low, stats.min_is_exact())),
+            }
         }
-        if let Some(high) = high
-            && max.as_ref().is_none_or(|(m, _)| high > *m)
-        {
-            max = Some((high, stats.max_is_exact()));
+        if let Some(high) = high {
+            match &mut max {
+                Some((m, exact)) if high == *m => *exact |= stats.max_is_exact(),
+                Some((m, _)) if high < *m => {}
+                _ => max = Some((high, stats.max_is_exact())),
+            }
         }
     }
+    let utf8 = |bound: &Option<(Bound, bool)>| match bound {
+        Some((Bound::Bytes(bytes), _)) => std::str::from_utf8(bytes).is_ok(),
+        _ => true,
+    };
     ColumnStats {
         column: column.name.clone(),
-        min_exact: min.as_ref().is_none_or(|(_, exact)| *exact),
-        max_exact: max.as_ref().is_none_or(|(_, exact)| *exact),
-        min: min.map(|(bound, _)| bound.render(column)),
-        max: max.map(|(bound, _)| bound.render(column)),
+        min_exact: min.as_ref().is_none_or(|(_, exact)| *exact) && utf8(&min),
+        max_exact: max.as_ref().is_none_or(|(_, exact)| *exact) && utf8(&max),
+        min: min.map(|(bound, _)| bound.render(column, false)),
+        max: max.map(|(bound, _)| bound.render(column, true)),
         null_count,
     }
 }
@@ -382,6 +398,27 @@ mod tests {
             assert!(unfit.to_string().contains(reason), "{data}: {unfit}");
             assert!(!unfit.to_string().contains("k-secret") && !unfit.to_string().contains("yes"), "{unfit}");
         }
+    }
+
+    #[test]
+    fn a_refused_record_leaves_the_shard_writable() {
+        let mut writer = ShardWriter::new(Vec::new(), &spec()).unwrap();
+        writer.write_row("a", r#"{"subject": "ok"}"#).unwrap();
+        // `count` fails after `id` and `subject` would have been appended: nothing is.
+        assert!(writer.write_row("b", r#"{"subject": "x", "count": 1.5}"#).is_err());
+        writer.write_row("c", r#"{"subject": "ok"}"#).unwrap();
+        let (bytes, digest) = writer.finish().unwrap();
+        assert_eq!(digest.rows, 2);
+        let reader = ParquetRecordBatchReaderBuilder::try_new(bytes::Bytes::from(bytes)).unwrap().build().unwrap();
+        assert_eq!(reader.map(|b| b.unwrap().num_rows()).sum::<usize>(), 2);
+    }
+
+    #[test]
+    fn a_text_bound_cut_inside_a_character_still_bounds_the_column() {
+        let json = OutputColumn { ty: ColumnType::Json, ..OutputColumn::key("j") };
+        let cut = [b"\"ab".as_slice(), &[0xC3]].concat(); // `"abé` cut after the first byte of é
+        assert_eq!(Bound::Bytes(cut.clone()).render(&json, false), json!("\"ab"));
+        assert_eq!(Bound::Bytes(cut).render(&json, true), json!("\"ab\u{10FFFF}"));
     }
 
     #[test]

@@ -80,12 +80,15 @@ def loads(text):
         return None
 
 
-def statistic(column, value):
+def statistic(column, value, upper):
     """A footer statistic as the manifest renders it."""
     if value is None:
         return None
     if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as cut:  # a JSON bound cut inside a character
+            return value[:cut.start].decode("utf-8") + ("\U0010FFFF" if upper else "")
     if isinstance(value, decimal.Decimal):
         return value
     if isinstance(value, datetime.datetime):
@@ -144,8 +147,8 @@ def main(folder):
                     fail(f"{path}: no statistics for {column['name']} in row group {g}")
                 nulls += stats.null_count
                 if stats.has_min_max:
-                    lows.append(statistic(column, stats.min))
-                    highs.append(statistic(column, stats.max))
+                    lows.append(statistic(column, stats.min, False))
+                    highs.append(statistic(column, stats.max, True))
             footer = (min(lows) if lows else None, max(highs) if highs else None, nulls)
             listed = next(s for s in shard["stats"] if s["column"] == column["name"])
             expected = (manifest_statistic(column, listed["min"]), manifest_statistic(column, listed["max"]), listed["null_count"])
