@@ -11,7 +11,7 @@ use super::{ExportError, ExportRequest, ExportSpec, FileFacts, Mode, with_op};
 use crate::auth::Caller;
 use crate::records::Record;
 use crate::records::census::{self, Census, Count};
-use crate::writers::{ShardDigest, ShardSpec, ShardWriter};
+use crate::writers::{ShardDigest, ShardWriter};
 
 /// Records encoded to measure bytes per row, and the bytes they may hold.
 const SAMPLE_ROWS: i64 = 1000;
@@ -165,21 +165,16 @@ fn value_interval(rows: u64) -> Count {
 /// bytes each row adds and what a file has besides (the gzip framing and CSV header, once for
 /// the whole file; each Parquet shard's header, column chunks' metadata and footer).
 fn encoded_size(spec: &ExportSpec, sample: &[Record], rows: u64, files: u64) -> BytesEstimate {
-    let shard_spec = ShardSpec {
-        format: spec.format,
-        codec: spec.format.spec().codec,
-        columns: spec.columns.clone(),
-        sorted_by_key: spec.mode == Mode::Full,
-        metadata: super::file_metadata(&FileFacts {
-            export_id: uuid::Uuid::nil(),
-            dataset: spec.dataset.as_str(),
-            mode: spec.mode,
-            watermark: "0:0:",
-            schema_sha256: &spec.schema_sha256,
-            exportd_version: crate::VERSION,
-            columns: &spec.columns,
-        }),
+    let facts = FileFacts {
+        export_id: uuid::Uuid::nil(),
+        dataset: spec.dataset.as_str(),
+        mode: spec.mode,
+        watermark: "0:0:",
+        schema_sha256: &spec.schema_sha256,
+        exportd_version: crate::VERSION,
+        columns: &spec.columns,
     };
+    let shard_spec = super::shard_spec(spec.format, spec.format.spec().codec, &facts);
     let write = |records: &[Record]| -> ShardDigest {
         let mut writer = ShardWriter::new(std::io::sink(), &shard_spec).expect("writing to a sink");
         for record in records {

@@ -5,7 +5,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::Mode;
-use crate::writers::{ColumnStats, FileColumn, Format, OutputColumn};
+use crate::writers::{Codec, ColumnStats, FileColumn, Format, OutputColumn, ShardSpec};
 
 pub const MANIFEST_VERSION: u32 = 1;
 
@@ -86,8 +86,20 @@ pub struct FileFacts<'a> {
     pub columns: &'a [OutputColumn],
 }
 
+/// What every shard of an export of `format` and `codec` is written as: its columns, whether
+/// rows come in key order (full exports), and the files' metadata.
+pub fn shard_spec(format: Format, codec: Codec, facts: &FileFacts<'_>) -> ShardSpec {
+    ShardSpec {
+        format,
+        codec,
+        columns: facts.columns.to_vec(),
+        sorted_by_key: facts.mode == Mode::Full,
+        metadata: file_metadata(facts),
+    }
+}
+
 /// The key-value metadata of an export's files: `exportd.`-prefixed keys, in a fixed order.
-pub fn file_metadata(facts: &FileFacts<'_>) -> Vec<(String, String)> {
+fn file_metadata(facts: &FileFacts<'_>) -> Vec<(String, String)> {
     [
         ("exportd.export_id", facts.export_id.to_string()),
         ("exportd.dataset", facts.dataset.to_owned()),

@@ -18,7 +18,7 @@ use uuid::Uuid;
 
 pub use incremental::{FeedContext, store_cursor};
 pub use layout::{Layout, Segment, ShardRecord};
-pub use manifest::{FileFacts, MANIFEST_VERSION, Manifest, ManifestFile, ManifestShard, file_metadata, shard_name};
+pub use manifest::{FileFacts, MANIFEST_VERSION, Manifest, ManifestFile, ManifestShard, shard_name, shard_spec};
 pub use request::{DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode, OP_COLUMN, with_op};
 pub use state::ExportState;
 use store::jobs::Inserted;

@@ -6,7 +6,7 @@ use serde_json::Value;
 
 use super::WorkerDeps;
 use super::source::Source;
-use crate::exports::{ExportJob, FileFacts, Mode, file_metadata};
+use crate::exports::{ExportJob, FileFacts, shard_spec};
 use crate::feeds::{self, Cursor, CursorOwner, Feed, Seal};
 use crate::records::{AsOf, Snapshot};
 use crate::tenants::{DatasetName, TenantId};
@@ -35,7 +35,7 @@ pub(super) struct Chain {
 impl Plan {
     pub(super) fn from_job(job: &ExportJob) -> anyhow::Result<Plan> {
         let columns: Vec<OutputColumn> = serde_json::from_value(job.columns.clone()).context("job columns")?;
-        let metadata = file_metadata(&FileFacts {
+        let facts = FileFacts {
             export_id: job.id,
             dataset: &job.dataset,
             mode: job.mode,
@@ -43,14 +43,8 @@ impl Plan {
             schema_sha256: &job.schema_sha256,
             exportd_version: &job.exportd_version,
             columns: &columns,
-        });
-        let shard_spec = ShardSpec {
-            format: job.format,
-            codec: job.codec,
-            sorted_by_key: job.mode == Mode::Full,
-            metadata,
-            columns,
         };
+        let shard_spec = shard_spec(job.format, job.codec, &facts);
         Ok(Plan {
             tenant: TenantId::parse(&job.tenant).map_err(anyhow::Error::msg)?,
             dataset: DatasetName::parse(&job.dataset).map_err(anyhow::Error::msg)?,
