@@ -15,6 +15,7 @@ pub mod feeds;
 pub mod http;
 pub mod jobs;
 pub mod links;
+pub mod masking;
 pub mod quota;
 pub mod records;
 pub mod server;

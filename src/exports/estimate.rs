@@ -9,6 +9,7 @@ use super::incremental::{self, FeedContext};
 use super::store::facts;
 use super::{ExportError, ExportRequest, ExportSpec, FileFacts, Mode, with_op};
 use crate::auth::Caller;
+use crate::masking::ColumnHasher;
 use crate::records::Record;
 use crate::records::census::{self, Census, Count};
 use crate::writers::{ShardDigest, ShardWriter};
@@ -88,7 +89,8 @@ pub async fn estimate(
     let spec = ExportSpec::validate(request, caller)?;
     let (count, sample, method) = census_of(pool, caller, &spec, request, feed).await?;
     let shards = count.rows.div_ceil(u64::from(spec.shard_rows)).max(1);
-    let bytes = encoded_size(&spec, &sample, count.rows, shards);
+    let hasher = caller.principal.column_policy(spec.dataset.as_str()).and_then(|p| p.hasher());
+    let bytes = encoded_size(&spec, hasher, &sample, count.rows, shards);
     let duration = duration(pool, caller, &spec, count.rows).await?;
     Ok(Estimate {
         estimate: true,
@@ -164,7 +166,13 @@ fn value_interval(rows: u64) -> Count {
 /// sample written by the export's own writer, once whole and once its first half, gives the
 /// bytes each row adds and what a file has besides (the gzip framing and CSV header, once for
 /// the whole file; each Parquet shard's header, column chunks' metadata and footer).
-fn encoded_size(spec: &ExportSpec, sample: &[Record], rows: u64, files: u64) -> BytesEstimate {
+fn encoded_size(
+    spec: &ExportSpec,
+    hasher: Option<&ColumnHasher>,
+    sample: &[Record],
+    rows: u64,
+    files: u64,
+) -> BytesEstimate {
     let facts = FileFacts {
         export_id: uuid::Uuid::nil(),
         dataset: spec.dataset.as_str(),
@@ -173,8 +181,9 @@ fn encoded_size(spec: &ExportSpec, sample: &[Record], rows: u64, files: u64) -> 
         schema_sha256: &spec.schema_sha256,
         exportd_version: crate::VERSION,
         columns: &spec.columns,
+        column_policy: spec.column_policy.as_deref(),
     };
-    let shard_spec = super::shard_spec(spec.format, spec.format.spec().codec, &facts);
+    let shard_spec = super::shard_spec(spec.format, spec.format.spec().codec, &facts, hasher);
     let write = |records: &[Record]| -> ShardDigest {
         let mut writer = ShardWriter::new(std::io::sink(), &shard_spec).expect("writing to a sink");
         for record in records {

@@ -55,7 +55,9 @@ pub async fn start(
     };
     let oldest = feed.now.unix_timestamp() - i64::from(caller.tenant.retention.tombstone_days) * 86_400;
     let row_filter = caller.principal.row_filter_json();
-    let owner = CursorOwner { tenant, principal, dataset, cluster: feed.cluster, row_filter: &row_filter };
+    let column_policy = caller.principal.policy_fingerprint(dataset);
+    let owner =
+        CursorOwner { tenant, principal, dataset, cluster: feed.cluster, row_filter: &row_filter, column_policy };
     let cursor = Cursor::decode(feed.keys, &text, &owner, oldest).map_err(|e| match e {
         CursorError::Invalid | CursorError::UnknownKey(_) => {
             ExportError::InvalidCursor { field: "since", detail: format!("{field}: {e}") }

@@ -5,6 +5,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::Mode;
+use crate::masking::{ColumnHasher, PolicySummary};
 use crate::writers::{Codec, ColumnStats, FileColumn, Format, OutputColumn, ShardSpec};
 
 pub const MANIFEST_VERSION: u32 = 1;
@@ -26,6 +27,9 @@ pub struct Manifest {
     /// The request's filter and the partner's row filter, both applied.
     pub filter: Value,
     pub row_filter: Value,
+    /// The partner's column policy its values went through (absent: none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub column_policy: Option<PolicySummary>,
     /// `pg_current_snapshot()` taken when the export was created.
     pub snapshot_watermark: String,
     pub created_at: String,
@@ -84,17 +88,21 @@ pub struct FileFacts<'a> {
     pub schema_sha256: &'a str,
     pub exportd_version: &'a str,
     pub columns: &'a [OutputColumn],
+    /// The fingerprint of the partner's column policy, if it has one.
+    pub column_policy: Option<&'a str>,
 }
 
 /// What every shard of an export of `format` and `codec` is written as: its columns, whether
-/// rows come in key order (full exports), and the files' metadata.
-pub fn shard_spec(format: Format, codec: Codec, facts: &FileFacts<'_>) -> ShardSpec {
+/// rows come in key order (full exports, unless the keys are hashed), the files' metadata and
+/// the partner's hash key (`hash` rules).
+pub fn shard_spec(format: Format, codec: Codec, facts: &FileFacts<'_>, hasher: Option<&ColumnHasher>) -> ShardSpec {
     ShardSpec {
         format,
         codec,
         columns: facts.columns.to_vec(),
-        sorted_by_key: facts.mode == Mode::Full,
+        sorted_by_key: facts.mode == Mode::Full && facts.columns.first().is_some_and(|key| key.masked.is_none()),
         metadata: file_metadata(facts),
+        hasher: hasher.cloned(),
     }
 }
 
@@ -110,6 +118,7 @@ fn file_metadata(facts: &FileFacts<'_>) -> Vec<(String, String)> {
         ("exportd.columns", serde_json::to_string(facts.columns).expect("serializable")),
     ]
     .into_iter()
+    .chain(facts.column_policy.map(|fingerprint| ("exportd.column_policy", fingerprint.to_owned())))
     .map(|(key, value)| (key.to_owned(), value))
     .collect()
 }

@@ -41,6 +41,10 @@ pub enum ExportError {
     DatasetNotGranted,
     #[error("the principal's row filter changed since this export was created; create a new export")]
     RowFilterChanged,
+    #[error(
+        "the principal's column policy changed since this export was created (its files follow the old one); create a new export"
+    )]
+    ColumnPolicyChanged,
     #[error("{detail}")]
     InvalidCursor { field: &'static str, detail: String },
     #[error("{0}")]
@@ -100,6 +104,8 @@ pub struct ExportJob {
     pub columns: Value,
     pub filter: Value,
     pub row_filter: Value,
+    /// The fingerprint of the partner's column policy the export was cut under.
+    pub column_policy: Option<String>,
     pub shard_rows: i32,
     pub created_at: OffsetDateTime,
     pub started_at: Option<OffsetDateTime>,
@@ -194,6 +200,7 @@ pub async fn create(
         columns: serde_json::to_value(&spec.columns).expect("serializable"),
         filter: Value::Object(spec.filter.clone()),
         row_filter: Value::Object(spec.row_filter.clone()),
+        column_policy: spec.column_policy.as_deref(),
         shard_rows: spec.shard_rows as i32,
         from_cursor: start.as_ref().map(|s| s.cursor.as_str()),
         start_from: start.as_ref().map(|s| s.from.as_str()),
@@ -364,11 +371,14 @@ pub async fn manifest(pool: &PgPool, caller: &Caller, id: Uuid) -> Result<(Vec<u
     Ok((bytes, sha256))
 }
 
-/// A partner's files and manifest were cut with the row filter it had then; once that changed
-/// they are no longer what it may see (keys, totals, checksums included).
+/// A partner's files and manifest were cut with the row filter and column policy it had then;
+/// once either changed they are no longer what it may see (keys, totals, checksums included).
 pub fn ensure_same_view(caller: &Caller, job: &ExportJob) -> Result<(), ExportError> {
     if !caller.principal.is_admin() && caller.principal.row_filter_json() != job.row_filter {
         return Err(ExportError::RowFilterChanged);
+    }
+    if caller.principal.policy_fingerprint(&job.dataset) != job.column_policy.as_deref() {
+        return Err(ExportError::ColumnPolicyChanged);
     }
     Ok(())
 }

@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::auth::Caller;
+use crate::masking::{ColumnPolicy, ColumnRule};
 use crate::tenants::{DatasetName, DatasetSchema, RowFilter};
 use crate::writers::{Format, OutputColumn};
 
@@ -101,6 +102,8 @@ pub struct ExportSpec {
     pub columns: Vec<OutputColumn>,
     pub filter: Map<String, Value>,
     pub row_filter: Map<String, Value>,
+    /// The fingerprint of the partner's column policy for the dataset.
+    pub column_policy: Option<String>,
     pub shard_rows: u32,
     /// The dataset schema's sha256 (see [`DatasetSchema::sha256`]).
     pub schema_sha256: String,
@@ -126,7 +129,8 @@ impl ExportSpec {
         if !(1..=MAX_SHARD_ROWS).contains(&shard_rows) {
             return Err(invalid("shard_rows", format!("must be between 1 and {MAX_SHARD_ROWS}")));
         }
-        let mut columns = output_columns(schema, request.columns.as_deref())?;
+        let policy = caller.principal.column_policy(schema.name.as_str());
+        let mut columns = output_columns(schema, policy, request.columns.as_deref())?;
         if request.mode == Mode::Incremental {
             // A delete carries its key alone: every dataset column may be null.
             columns.iter_mut().skip(1).for_each(|c| c.required = false);
@@ -138,41 +142,64 @@ impl ExportSpec {
             format: request.format,
             mode: request.mode,
             columns,
-            filter: check_filter(schema, request.filter.clone().unwrap_or_default())?,
+            filter: check_filter(schema, policy, request.filter.clone().unwrap_or_default())?,
             row_filter: row_filter_json(&caller.principal.row_filter),
+            column_policy: policy.map(|p| p.fingerprint().to_owned()),
             shard_rows,
             schema_sha256: schema.sha256(),
         })
     }
 }
 
-fn output_columns(schema: &DatasetSchema, requested: Option<&[String]>) -> Result<Vec<OutputColumn>, ExportError> {
-    let mut columns = vec![OutputColumn::key(schema.key_column.as_str())];
+/// The key column, then the requested columns (default: all), as the caller receives them: a
+/// column its policy drops is missing (named, it is refused like an unknown one).
+fn output_columns(
+    schema: &DatasetSchema,
+    policy: Option<&ColumnPolicy>,
+    requested: Option<&[String]>,
+) -> Result<Vec<OutputColumn>, ExportError> {
+    let through_policy = |column: OutputColumn| match policy {
+        Some(policy) => policy.output_column(column),
+        None => Some(column),
+    };
+    let key = through_policy(OutputColumn::key(schema.key_column.as_str())).expect("keys are never dropped");
+    let mut columns = vec![key];
     let Some(requested) = requested else {
-        columns.extend(schema.columns.iter().map(OutputColumn::of));
+        columns.extend(schema.columns.iter().map(OutputColumn::of).filter_map(through_policy));
         return Ok(columns);
     };
     if requested.is_empty() {
         return Err(invalid("columns", "list at least one column, or leave `columns` out for all"));
     }
     for (i, name) in requested.iter().enumerate() {
-        let column = schema.column(name).ok_or_else(|| {
+        let column = schema.column(name).map(OutputColumn::of).and_then(through_policy).ok_or_else(|| {
             invalid(&format!("columns[{i}]"), format!("dataset `{}` has no column `{name}`", schema.name))
         })?;
         if requested[..i].contains(name) {
             return Err(invalid(&format!("columns[{i}]"), format!("`{name}` is listed twice")));
         }
-        columns.push(OutputColumn::of(column));
+        columns.push(column);
     }
     Ok(columns)
 }
 
-fn check_filter(schema: &DatasetSchema, filter: Map<String, Value>) -> Result<Map<String, Value>, ExportError> {
+/// A filter names columns the caller receives whole: filtering by a masked value would tell
+/// what the mask hides.
+fn check_filter(
+    schema: &DatasetSchema,
+    policy: Option<&ColumnPolicy>,
+    filter: Map<String, Value>,
+) -> Result<Map<String, Value>, ExportError> {
     for (name, value) in &filter {
         let field = format!("filter.{name}");
+        let rule = policy.and_then(|p| p.rule(name));
         let column = schema
             .column(name)
+            .filter(|_| rule != Some(ColumnRule::Drop))
             .ok_or_else(|| invalid(&field, format!("dataset `{}` has no column `{name}`", schema.name)))?;
+        if let Some(rule) = rule {
+            return Err(invalid(&field, format!("`{name}` reaches you masked ({rule}) and cannot be filtered")));
+        }
         if !column.ty.accepts_filter_value(value) {
             return Err(invalid(&field, format!("a {:?} column is filtered by a value of its type", column.ty)));
         }

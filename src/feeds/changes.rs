@@ -41,6 +41,20 @@ pub struct ChangePage {
     pub end_of_stream: bool,
 }
 
+impl ChangePage {
+    /// Puts every change through the partner's column policy (keys and data), after the page's
+    /// positions were taken from the real keys.
+    pub fn mask(&mut self, policy: &crate::masking::ColumnPolicy) -> serde_json::Result<()> {
+        for change in &mut self.changes {
+            change.key = policy.key(&change.key).into_owned();
+            if let Some(data) = &change.data {
+                change.data = Some(RawValue::from_string(policy.record(data.get())?)?);
+            }
+        }
+        Ok(())
+    }
+}
+
 /// What to read: whose changes, narrowed how, sealed by when.
 pub struct Feed<'a> {
     pub tenant: &'a str,

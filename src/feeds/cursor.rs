@@ -35,6 +35,10 @@ pub struct Cursor {
     /// filter changes, its old cursors expire (first-release cursors carry none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rf: Option<String>,
+    /// Fingerprint of the column policy the partner's pages were masked with (absent: none):
+    /// once it changes, old cursors expire, like those of a changed row filter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cp: Option<String>,
 }
 
 /// Whose cursor: it is valid only for this tenant, principal, dataset, cluster and row filter.
@@ -46,6 +50,8 @@ pub struct CursorOwner<'a> {
     pub cluster: &'a str,
     /// The principal's row filter as JSON (`{}` for none).
     pub row_filter: &'a serde_json::Value,
+    /// The fingerprint of the principal's column policy for the dataset, if it has one.
+    pub column_policy: Option<&'a str>,
 }
 
 impl CursorOwner<'_> {
@@ -64,7 +70,7 @@ pub enum CursorError {
     )]
     UnknownKey(String),
     #[error(
-        "the cursor is older than the tenant's tombstone window, from another database, or from before the principal's row filter changed; run a full export and continue from its next_cursor"
+        "the cursor is older than the tenant's tombstone window, from another database, or from before the principal's row filter or column policy changed; run a full export and continue from its next_cursor"
     )]
     Expired,
 }
@@ -83,6 +89,7 @@ impl Cursor {
             after: None,
             ts,
             rf: Some(owner.row_filter_fingerprint()),
+            cp: owner.column_policy.map(str::to_owned),
         }
     }
 
@@ -122,7 +129,8 @@ impl Cursor {
             Some(rf) => *rf != fingerprint,
             None => !owner.row_filter.as_object().is_none_or(|filter| filter.is_empty()),
         };
-        if cursor.cluster != owner.cluster || cursor.ts < oldest_ts || filter_changed {
+        let policy_changed = cursor.cp.as_deref() != owner.column_policy;
+        if cursor.cluster != owner.cluster || cursor.ts < oldest_ts || filter_changed || policy_changed {
             return Err(CursorError::Expired);
         }
         Ok(Cursor { v: VERSION, rf: Some(fingerprint), ..cursor })
@@ -172,7 +180,7 @@ mod tests {
         cluster: &'a str,
         rf: &'a Value,
     ) -> CursorOwner<'a> {
-        CursorOwner { tenant, principal, dataset, cluster, row_filter: rf }
+        CursorOwner { tenant, principal, dataset, cluster, row_filter: rf, column_policy: None }
     }
 
     #[test]

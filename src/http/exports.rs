@@ -443,6 +443,7 @@ impl From<ExportError> for ApiError {
             }
             ExportError::CursorExpired(_) => ApiError::new(StatusCode::GONE, "cursor-expired", detail),
             ExportError::RowFilterChanged => ApiError::new(StatusCode::FORBIDDEN, "row-filter-changed", detail),
+            ExportError::ColumnPolicyChanged => ApiError::new(StatusCode::FORBIDDEN, "column-policy-changed", detail),
             ExportError::Rejected(rejection) => rejection.into(),
             ExportError::IncrementalInProgress => {
                 ApiError::new(StatusCode::CONFLICT, "incremental-in-progress", detail)

@@ -84,7 +84,10 @@ async fn changes(
         row_filter: &row_filter,
         seal: Seal::Delayed { now, safety_delay_seconds: caller.tenant.feeds.safety_delay_seconds },
     };
-    let page = feeds::page(&state.pool, &feed, cursor, limit).await?;
+    let mut page = feeds::page(&state.pool, &feed, cursor, limit).await?;
+    if let Some(policy) = caller.principal.column_policy(schema.name.as_str()) {
+        page.mask(policy).map_err(anyhow::Error::from)?;
+    }
     let retry = page.end_of_stream.then(|| caller.tenant.feeds.safety_delay_seconds.clamp(1, 30));
     Ok(axum::Json(ChangesPage {
         changes: page.changes,
@@ -130,6 +133,7 @@ fn cursor_owner<'a>(
         dataset: schema.name.as_str(),
         cluster,
         row_filter,
+        column_policy: caller.principal.policy_fingerprint(schema.name.as_str()),
     }
 }
 

@@ -13,6 +13,7 @@ use super::error::{ApiError, ApiResult};
 use super::extract::{JsonBody, Path};
 use super::state::AppState;
 use crate::auth::Caller;
+use crate::masking::{ColumnRule, PolicySummary};
 use crate::records::{self, BatchOutcome, RecordWrite, WriteError};
 use crate::tenants::{Column, DatasetSchema};
 
@@ -37,6 +38,11 @@ pub struct DatasetView {
     /// The row filter applied to this caller's exports and feeds (partners only).
     #[schema(value_type = Object)]
     row_filter: Map<String, Value>,
+    /// The caller's column policy for the dataset (partners only; absent: every column whole):
+    /// its fingerprint and each masked column's rule. Dropped columns are not in `columns`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    column_policy: Option<PolicySummary>,
 }
 
 /// The datasets the caller may read, with their columns.
@@ -50,11 +56,16 @@ async fn list_datasets(caller: Caller) -> axum::Json<DatasetList> {
         .datasets
         .iter()
         .filter(|(name, _)| caller.principal.is_granted(name))
-        .map(|(name, schema)| DatasetView {
-            name: name.to_string(),
-            key_column: schema.key_column.to_string(),
-            columns: schema.columns.clone(),
-            row_filter: row_filter.clone(),
+        .map(|(name, schema)| {
+            let policy = caller.principal.column_policy(name.as_str());
+            let dropped = |c: &&Column| policy.and_then(|p| p.rule(c.name.as_str())) == Some(ColumnRule::Drop);
+            DatasetView {
+                name: name.to_string(),
+                key_column: schema.key_column.to_string(),
+                columns: schema.columns.iter().filter(|c| !dropped(c)).cloned().collect(),
+                row_filter: row_filter.clone(),
+                column_policy: policy.map(|p| p.summary()),
+            }
         })
         .collect();
     axum::Json(DatasetList { datasets })

@@ -34,7 +34,7 @@ pub(super) fn unencodable(job: &ExportJob, error: &anyhow::Error) -> (&'static s
 }
 
 /// The principal must still exist, be enabled, be granted the dataset, and have the row filter
-/// frozen into the job.
+/// and column policy frozen into the job.
 pub(super) fn authorized(deps: &WorkerDeps, job: &ExportJob, plan: &Plan) -> Result<(), String> {
     let tenant = deps.registry.get(&job.tenant).ok_or("the tenant is no longer configured")?;
     let principal = tenant.principal(&job.principal).ok_or("the principal no longer exists")?;
@@ -46,6 +46,9 @@ pub(super) fn authorized(deps: &WorkerDeps, job: &ExportJob, plan: &Plan) -> Res
     }
     if principal.row_filter_json() != plan.row_filter {
         return Err("the principal's row filter changed".into());
+    }
+    if principal.policy_fingerprint(&job.dataset) != job.column_policy.as_deref() {
+        return Err("the principal's column policy changed".into());
     }
     Ok(())
 }

@@ -58,7 +58,7 @@ async fn write_planned_shard(
             Err(LeaseLost) => Step::LeaseLost,
         })
     };
-    let plan = Plan::from_job(&job)?;
+    let plan = Plan::from_job(deps, &job)?;
     if deps.config.exhausted(shard.takeovers, shard.first_takeover_at) {
         let detail = format!(
             "gave up after the writers of shard {index} vanished {} times, over {}",

@@ -8,6 +8,7 @@ use super::WorkerDeps;
 use super::source::Source;
 use crate::exports::{ExportJob, FileFacts, shard_spec};
 use crate::feeds::{self, Cursor, CursorOwner, Feed, Seal};
+use crate::masking::ColumnPolicy;
 use crate::records::{AsOf, Snapshot};
 use crate::tenants::{DatasetName, TenantId};
 use crate::writers::{OutputColumn, ShardSpec};
@@ -33,7 +34,7 @@ pub(super) struct Chain {
 }
 
 impl Plan {
-    pub(super) fn from_job(job: &ExportJob) -> anyhow::Result<Plan> {
+    pub(super) fn from_job(deps: &WorkerDeps, job: &ExportJob) -> anyhow::Result<Plan> {
         let columns: Vec<OutputColumn> = serde_json::from_value(job.columns.clone()).context("job columns")?;
         let facts = FileFacts {
             export_id: job.id,
@@ -43,8 +44,10 @@ impl Plan {
             schema_sha256: &job.schema_sha256,
             exportd_version: &job.exportd_version,
             columns: &columns,
+            column_policy: job.column_policy.as_deref(),
         };
-        let shard_spec = shard_spec(job.format, job.codec, &facts);
+        let policy = column_policy(deps, job);
+        let shard_spec = shard_spec(job.format, job.codec, &facts, policy.and_then(ColumnPolicy::hasher));
         Ok(Plan {
             tenant: TenantId::parse(&job.tenant).map_err(anyhow::Error::msg)?,
             dataset: DatasetName::parse(&job.dataset).map_err(anyhow::Error::msg)?,
@@ -92,6 +95,15 @@ impl Plan {
         }
     }
 
+    /// The record key as the job's partner receives it (manifests' first and last keys).
+    pub(super) fn shown_key(&self, key: &str) -> String {
+        let masks = crate::masking::ColumnMasks::of(&self.shard_spec.columns, self.shard_spec.hasher.as_ref());
+        match masks {
+            Ok(Some(masks)) => masks.key(key).into_owned(),
+            _ => key.to_owned(),
+        }
+    }
+
     /// The cursor the manifest hands out to continue after this export.
     pub(super) async fn next_cursor(&self, deps: &WorkerDeps, job: &ExportJob) -> anyhow::Result<String> {
         let cluster = crate::feeds::system_identifier(&deps.pool).await?;
@@ -102,6 +114,7 @@ impl Plan {
                 dataset: &job.dataset,
                 cluster: &cluster,
                 row_filter: &job.row_filter,
+                column_policy: job.column_policy.as_deref(),
             };
             let cursor = Cursor::new(&owner, from, ts);
             Cursor { after, ..cursor }.encode(&deps.keys)
@@ -117,4 +130,11 @@ impl Plan {
             }
         })
     }
+}
+
+/// The job principal's column policy, if it is still the one frozen into the job (otherwise the
+/// job fails its authorization check before writing anything).
+pub(super) fn column_policy<'a>(deps: &'a WorkerDeps, job: &ExportJob) -> Option<&'a ColumnPolicy> {
+    let principal = deps.registry.get(&job.tenant)?.principal(&job.principal)?;
+    principal.column_policy(&job.dataset).filter(|p| Some(p.fingerprint()) == job.column_policy.as_deref())
 }

@@ -73,7 +73,7 @@ fn grown(extended: Result<(), LeaseLost>) -> anyhow::Result<Appended> {
 /// can be taken. `false`: nothing to plan (no first shard yet, the plan is complete, a limit is
 /// reached — the coordinator fails the export when it gets there — or the job stopped).
 pub(super) async fn count_ahead(deps: &WorkerDeps, job: &ExportJob) -> anyhow::Result<bool> {
-    let plan = Plan::from_job(job)?;
+    let plan = Plan::from_job(deps, job)?;
     let Some(front) = shard_plan::frontier(&deps.pool, job.id).await? else {
         return Ok(false);
     };

@@ -7,7 +7,7 @@ use anyhow::Context;
 use super::WorkerDeps;
 use super::ending::{self, authorized};
 use super::heartbeat::Heartbeat;
-use super::plan::Plan;
+use super::plan::{self, Plan};
 use super::planner::{self, Appended};
 use super::shard_task::{ShardTask, Written};
 use crate::exports::store::lease::{self, Fence, Lease, LeaseLost, Publication, Refused};
@@ -15,6 +15,7 @@ use crate::exports::store::plan::{self as shard_plan, NewShard, PlannedShard};
 use crate::exports::{
     self, ExportJob, ExportState, Layout, Manifest, ManifestFile, ManifestShard, ShardRecord, shard_name,
 };
+use crate::masking::ColumnPolicy;
 use crate::storage::ObjectKey;
 use crate::writers::sha256_hex;
 
@@ -119,7 +120,7 @@ impl ClaimedExport {
             metrics::counter!("exportd_lease_takeovers_total").increment(1);
         }
         tracing::info!(export = %job.id, tenant = %job.tenant, generation = lease.generation, attempt = job.attempts, "claimed export");
-        let plan = Plan::from_job(&job)?;
+        let plan = Plan::from_job(deps, &job)?;
         // Files of a job given back cleanly between shards need no second look.
         let to_verify = if was_yielded { Vec::new() } else { exports::store::shards::all(&deps.pool, job.id).await? };
         Ok(Some(ClaimedExport {
@@ -503,8 +504,8 @@ impl ClaimedExport {
                 rows: c.rows as u64,
                 bytes: c.bytes as u64,
                 sha256: c.sha256.clone(),
-                first_key: c.first_key.clone(),
-                last_key: c.last_key.clone(),
+                first_key: c.first_key.as_deref().map(|k| self.plan.shown_key(k)),
+                last_key: c.last_key.as_deref().map(|k| self.plan.shown_key(k)),
                 stats: c.stats.clone().map(|stats| stats.0),
             })
             .collect();
@@ -519,6 +520,7 @@ impl ClaimedExport {
             file_schema: spec.format.spec().file_schema(&spec.columns)?,
             filter: self.plan.filter.clone(),
             row_filter: self.plan.row_filter.clone(),
+            column_policy: plan::column_policy(&self.deps, &self.job).map(ColumnPolicy::summary),
             snapshot_watermark: self.plan.watermark.to_string(),
             created_at: self.job.created_at.format(&time::format_description::well_known::Rfc3339).expect("formats"),
             from_cursor: self.job.from_cursor.clone(),

@@ -7,9 +7,11 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 use super::webhooks::{self, WebhookEndpoint, WebhookFile};
+use crate::masking::{ColumnHasher, ColumnPolicy, ColumnRule};
+
 use super::{
-    Auth, ConfigError, DatasetName, DatasetSchema, Feeds, Principal, PrincipalId, Quota, Registry, Retention, Role,
-    RowFilter, Secret, SigningKey, Tenant, TenantId,
+    Auth, ColumnName, ConfigError, DatasetName, DatasetSchema, Feeds, Principal, PrincipalId, Quota, Registry,
+    Retention, Role, RowFilter, Secret, SigningKey, Tenant, TenantId,
 };
 
 /// HS256 keys shorter than this are refused (RFC 7518 §3.2 asks for at least the hash size).
@@ -33,6 +35,15 @@ struct TenantFile {
     auth: Auth,
     #[serde(default)]
     webhooks: Vec<WebhookFile>,
+    /// The secret partners' hash keys derive from (needed by `hash` column rules).
+    masking: Option<MaskingFile>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MaskingFile {
+    secret: Option<String>,
+    secret_env: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -54,6 +65,9 @@ struct PrincipalFile {
     row_filter: RowFilter,
     #[serde(default)]
     disabled: bool,
+    /// Per granted dataset: column → rule (`drop`, `null`, `truncate(n)`, `hash`).
+    #[serde(default)]
+    column_policy: BTreeMap<DatasetName, BTreeMap<ColumnName, ColumnRule>>,
 }
 
 pub(super) fn load_dir(dir: &Path) -> Result<Registry, ConfigError> {
@@ -142,9 +156,25 @@ fn load_tenant(path: &Path, schemas: &BTreeMap<DatasetName, Arc<DatasetSchema>>)
         }
     }
 
+    let masking_secret = match raw.masking {
+        None => None,
+        Some(m) => {
+            let (secret, source) = secret_text(path, "masking", m.secret, m.secret_env)?;
+            if secret.len() < MIN_SECRET_BYTES {
+                let why = format!("the masking secret needs at least {MIN_SECRET_BYTES} bytes");
+                return Err(error(path, &format!("masking.{source}"), why));
+            }
+            Some(secret)
+        }
+    };
+    let hasher = |principal: &PrincipalId| {
+        masking_secret.as_ref().map(|s| ColumnHasher::derive(s.as_bytes(), raw.id.as_str(), principal.as_str()))
+    };
+
     let mut principals = BTreeMap::new();
     for (i, p) in raw.principals.into_iter().enumerate() {
-        let principal = principal(path, i, p, &datasets)?;
+        let hasher = hasher(&p.id);
+        let principal = principal(path, i, p, &datasets, hasher)?;
         if principals.contains_key(&principal.id) {
             return Err(error(path, &format!("principals[{i}].id"), format!("duplicate principal `{}`", principal.id)));
         }
@@ -209,6 +239,7 @@ fn principal(
     i: usize,
     p: PrincipalFile,
     datasets: &BTreeMap<DatasetName, Arc<DatasetSchema>>,
+    hasher: Option<ColumnHasher>,
 ) -> Result<Principal, ConfigError> {
     let field = |name: &str| format!("principals[{i}].{name}");
     if p.role == Role::Admin && !p.grants.is_empty() {
@@ -216,6 +247,19 @@ fn principal(
     }
     if p.role == Role::Admin && !p.row_filter.is_empty() {
         return Err(error(path, &field("row_filter"), "row filters apply to partners only"));
+    }
+    if p.role == Role::Admin && !p.column_policy.is_empty() {
+        return Err(error(path, &field("column_policy"), "column policies apply to partners only"));
+    }
+    let mut column_policies = BTreeMap::new();
+    for (dataset, rules) in p.column_policy {
+        let field = field(&format!("column_policy.{dataset}"));
+        if !p.grants.contains(&dataset) {
+            return Err(error(path, &field, format!("`{dataset}` is not granted to this partner")));
+        }
+        let policy = ColumnPolicy::new(&datasets[&dataset], rules, hasher.clone())
+            .map_err(|(column, why)| error(path, &format!("{field}.{column}"), why))?;
+        column_policies.insert(dataset, policy);
     }
     for (g, name) in p.grants.iter().enumerate() {
         if !datasets.contains_key(name) {
@@ -248,6 +292,7 @@ fn principal(
         grants: p.grants.into_iter().collect(),
         row_filter: p.row_filter,
         disabled: p.disabled,
+        column_policies,
     })
 }
 

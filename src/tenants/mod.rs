@@ -56,6 +56,8 @@ pub struct Principal {
     grants: BTreeSet<DatasetName>,
     pub row_filter: RowFilter,
     pub disabled: bool,
+    /// What this partner receives of each column, per dataset (none: everything).
+    column_policies: BTreeMap<DatasetName, crate::masking::ColumnPolicy>,
 }
 
 impl Principal {
@@ -66,6 +68,16 @@ impl Principal {
     /// The row filter as a JSON object (`{}` for none), as exports freeze it and feeds apply it.
     pub fn row_filter_json(&self) -> serde_json::Value {
         serde_json::Value::Object(self.row_filter.iter().map(|(k, v)| (k.to_string(), v.clone())).collect())
+    }
+
+    /// This partner's column policy for `dataset`, if it has one.
+    pub fn column_policy(&self, dataset: &str) -> Option<&crate::masking::ColumnPolicy> {
+        self.column_policies.get(dataset)
+    }
+
+    /// The fingerprint of that policy, as frozen into exports and cursors.
+    pub fn policy_fingerprint(&self, dataset: &str) -> Option<&str> {
+        self.column_policy(dataset).map(|p| p.fingerprint())
     }
 
     /// Whether this principal may read `dataset` (which the tenant must also expose).

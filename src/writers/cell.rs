@@ -11,6 +11,8 @@ use std::borrow::Cow;
 use std::io;
 use std::ops::Range;
 
+use crate::masking::ColumnMasks;
+
 /// A field value, as cheap as the text allows.
 #[derive(Debug, PartialEq)]
 pub enum Cell<'a> {
@@ -44,22 +46,29 @@ impl<'a> Cell<'a> {
 pub struct FieldIndex {
     names: Vec<String>,
     found: Vec<Option<Range<usize>>>,
+    /// A partner's column policy: every value read goes through it.
+    masks: Option<ColumnMasks>,
 }
 
 /// One record's fields, as found by [`FieldIndex::read`].
 pub struct Fields<'a> {
     json: &'a str,
     found: &'a [Option<Range<usize>>],
+    masks: Option<&'a ColumnMasks>,
 }
 
 impl<'a> Fields<'a> {
-    /// The value of column `column` (an index into the names the index was made with); an
-    /// absent field is null.
+    /// The value of column `column` (an index into the names the index was made with), as the
+    /// partner receives it; an absent field is null.
     pub fn get(&self, column: usize) -> serde_json::Result<Cell<'a>> {
-        match &self.found[column] {
-            Some(range) => Cell::parse(&self.json[range.clone()]),
-            None => Ok(Cell::Null),
-        }
+        let cell = match &self.found[column] {
+            Some(range) => Cell::parse(&self.json[range.clone()])?,
+            None => Cell::Null,
+        };
+        Ok(match self.masks {
+            Some(masks) => masks.apply(column, cell),
+            None => cell,
+        })
     }
 }
 
@@ -67,7 +76,22 @@ impl FieldIndex {
     pub fn new<'n>(names: impl IntoIterator<Item = &'n str>) -> Self {
         let names: Vec<String> = names.into_iter().map(str::to_owned).collect();
         let found = vec![None; names.len()];
-        FieldIndex { names, found }
+        FieldIndex { names, found, masks: None }
+    }
+
+    /// Values read go through `masks` (one per name, the key's first).
+    pub fn masked(self, masks: Option<ColumnMasks>) -> Self {
+        FieldIndex { masks, ..self }
+    }
+
+    /// A record's key and fields, both as the partner receives them.
+    pub fn read_record<'a>(&'a mut self, key: &'a str, json: &'a str) -> io::Result<(Cow<'a, str>, Fields<'a>)> {
+        let fields = self.read(json)?;
+        let key = match fields.masks {
+            Some(masks) => masks.key(key),
+            None => Cow::Borrowed(key),
+        };
+        Ok((key, fields))
     }
 
     /// Reads the top-level fields of the JSON object `json`, noting where each column's value is.
@@ -76,7 +100,7 @@ impl FieldIndex {
         self.scan(json).map_err(|at| {
             io::Error::new(io::ErrorKind::InvalidData, format!("record data is not a JSON object (byte {at})"))
         })?;
-        Ok(Fields { json, found: &self.found })
+        Ok(Fields { json, found: &self.found, masks: self.masks.as_ref() })
     }
 
     /// The scan itself; an error is the byte offset where the text stopped making sense.

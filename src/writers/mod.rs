@@ -31,6 +31,7 @@ pub use columnar::{ColumnStats, DoesNotFit, FileColumn};
 pub use escape::{csv_cell, escape_formula};
 pub use format::{Format, FormatSpec, Framing, RowEncoder};
 
+use crate::masking::{ColumnHasher, ColumnMasks, ColumnRule};
 use crate::tenants::{Column, ColumnType};
 use columnar::ColumnarShard;
 use compressor::Compressor;
@@ -51,12 +52,23 @@ pub struct OutputColumn {
     pub precision: Option<u8>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scale: Option<u8>,
+    /// The rule of the partner's column policy its values went through (`null`, `truncate(n)`,
+    /// `hash`); a dropped column is not there at all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub masked: Option<ColumnRule>,
 }
 
 impl OutputColumn {
     /// The record key's column (or `_op`): text, never null.
     pub fn key(name: &str) -> Self {
-        OutputColumn { name: name.to_owned(), ty: ColumnType::String, required: true, precision: None, scale: None }
+        OutputColumn {
+            name: name.to_owned(),
+            ty: ColumnType::String,
+            required: true,
+            precision: None,
+            scale: None,
+            masked: None,
+        }
     }
 
     /// A dataset column as declared.
@@ -67,6 +79,7 @@ impl OutputColumn {
             required: column.required,
             precision: column.precision,
             scale: column.scale,
+            masked: None,
         }
     }
 
@@ -87,6 +100,8 @@ pub struct ShardSpec {
     pub sorted_by_key: bool,
     /// Key-value metadata for formats whose files carry it (a Parquet footer).
     pub metadata: Vec<(String, String)>,
+    /// The partner's hash key, when a column is `masked` by `hash`.
+    pub hasher: Option<ColumnHasher>,
 }
 
 /// What a finished shard file is, including where its parts lie (see [`gzip`]).
@@ -120,6 +135,8 @@ enum Sink<W: Write + Send + 'static> {
 impl<W: Write + Send + 'static> ShardWriter<W> {
     /// Starts a shard (a CSV shard with its BOM and header row).
     pub fn new(out: W, spec: &ShardSpec) -> io::Result<Self> {
+        let masks = ColumnMasks::of(&spec.columns, spec.hasher.as_ref())
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         let sink = match spec.format.spec().framing {
             Framing::Gzip(encoder) => {
                 let mut encoder = encoder(&spec.columns);
@@ -129,14 +146,15 @@ impl<W: Write + Send + 'static> ShardWriter<W> {
             }
             Framing::Columnar { writer, .. } => Sink::Columnar(ColumnarShard::start(out, spec, writer)?),
         };
-        let fields = FieldIndex::new(spec.columns.iter().map(|c| c.name.as_str()));
+        let fields = FieldIndex::new(spec.columns.iter().map(|c| c.name.as_str())).masked(masks);
         Ok(ShardWriter { fields, rows: 0, sink })
     }
 
     /// Appends one record: its key, and the selected columns read from `data`, the record's
     /// JSON object as text (absent columns are null).
     pub fn write_row(&mut self, key: &str, data: &str) -> io::Result<()> {
-        let fields = self.fields.read(data)?;
+        let (key, fields) = self.fields.read_record(key, data)?;
+        let key = key.as_ref();
         match &mut self.sink {
             Sink::Gzip { encoder, compressor, line } => {
                 line.clear();
@@ -246,7 +264,7 @@ mod tests {
 
     fn shard_with(format: Format, codec: Codec) -> (Vec<u8>, ShardDigest) {
         let metadata = vec![("exportd.export_id".to_owned(), "e1".to_owned())];
-        let spec = ShardSpec { format, codec, columns: columns(), sorted_by_key: true, metadata };
+        let spec = ShardSpec { format, codec, columns: columns(), sorted_by_key: true, metadata, hasher: None };
         let mut writer = ShardWriter::new(Vec::new(), &spec).unwrap();
         for (key, data) in rows() {
             writer.write_row(key, &data).unwrap();
@@ -312,8 +330,14 @@ mod tests {
 
     #[test]
     fn a_codec_refuses_a_format_it_does_not_write() {
-        let spec =
-            |format, codec| ShardSpec { format, codec, columns: columns(), sorted_by_key: true, metadata: vec![] };
+        let spec = |format, codec| ShardSpec {
+            format,
+            codec,
+            columns: columns(),
+            sorted_by_key: true,
+            metadata: vec![],
+            hasher: None,
+        };
         let refused = ShardWriter::new(Vec::new(), &spec(Format::Csv, Codec::ParquetZstd3)).err().unwrap();
         assert!(refused.to_string().contains("does not deflate"), "{refused}");
         let refused = ShardWriter::new(Vec::new(), &spec(Format::Parquet, Codec::ZlibRs3)).err().unwrap();

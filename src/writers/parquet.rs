@@ -276,6 +276,7 @@ mod tests {
             columns: columns(),
             sorted_by_key: true,
             metadata,
+            hasher: None,
         }
     }
 

@@ -7,6 +7,7 @@ mod abuse;
 mod chaos;
 mod cli_errors;
 mod client;
+mod column_policies;
 mod dashboard;
 mod downloads;
 mod exports;

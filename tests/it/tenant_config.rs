@@ -115,3 +115,50 @@ fn a_broken_config_stops_the_server_before_it_listens() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("acme.toml: principals[1].grants[0]"), "{stderr}");
 }
+
+#[test]
+fn column_policy_mistakes_name_the_principal_dataset_and_column() {
+    let masking = "\n[masking]\nsecret = \"0123456789abcdef0123456789abcdef-masking\"\n";
+    let policy = |rules: &str| format!("{GOOD}column_policy.tickets = {{ {rules} }}\n{masking}");
+    let cases: Vec<(&str, String, &str)> = vec![
+        (
+            "unknown column",
+            policy("emial = \"drop\""),
+            "principals[1].column_policy.tickets.emial: dataset `tickets` has no column `emial`",
+        ),
+        ("unknown rule", policy("subject = \"mask\""), "`mask` is not a column rule"),
+        ("truncate of nothing", policy("subject = \"truncate(0)\""), "truncate keeps 1 to"),
+        (
+            "the key dropped",
+            policy("id = \"drop\""),
+            "principals[1].column_policy.tickets.id: the key column `id` can only be hashed",
+        ),
+        (
+            "hash without a secret",
+            format!("{GOOD}column_policy.tickets = {{ subject = \"hash\" }}\n"),
+            "principals[1].column_policy.tickets.subject: a `hash` rule needs the tenant's `[masking]` secret",
+        ),
+        (
+            "a dataset not granted",
+            format!("{GOOD}column_policy.orders = {{ subject = \"drop\" }}\n"),
+            "principals[1].column_policy.orders: `orders` is not granted",
+        ),
+        (
+            "a policy for an admin",
+            GOOD.replace("role = \"admin\"", "role = \"admin\"\ncolumn_policy.tickets = { subject = \"drop\" }"),
+            "principals[0].column_policy: column policies apply to partners only",
+        ),
+        (
+            "a short masking secret",
+            format!("{GOOD}\n[masking]\nsecret = \"short\"\n"),
+            "masking.secret: the masking secret needs at least 32 bytes",
+        ),
+    ];
+    for (what, text, expected) in cases {
+        let err = load(&[("acme.toml", &text)]).expect_err(what);
+        assert!(err.contains("acme.toml") && err.contains(expected), "{what}: expected {expected:?} in {err:?}");
+    }
+    let good = load(&[("acme.toml", &policy("id = \"hash\", subject = \"truncate(4)\", region = \"null\""))]).unwrap();
+    let partner = good.get("acme").unwrap().principal("p1").unwrap();
+    assert!(partner.column_policy("tickets").unwrap().hashes_keys());
+}

@@ -27,6 +27,7 @@ pub struct NewJob<'a> {
     pub columns: Value,
     pub filter: Value,
     pub row_filter: Value,
+    pub column_policy: Option<&'a str>,
     pub shard_rows: i32,
     pub from_cursor: Option<&'a str>,
     pub start_from: Option<&'a str>,
@@ -62,9 +63,9 @@ pub async fn insert(tx: &mut PgConnection, job: &NewJob<'_>) -> sqlx::Result<Ins
     let inserted = job_query!(
         "INSERT INTO export_jobs (id, tenant, principal, dataset, mode, format, codec, request, request_sha256,
              idempotency_key, columns, filter, row_filter, shard_rows, watermark,
-             from_cursor, start_from, start_after, until_tick, schema_sha256, exportd_version)
+             from_cursor, start_from, start_after, until_tick, schema_sha256, exportd_version, column_policy)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, pg_current_snapshot(), $15, $16, $17, $18,
-             $19, $20)
+             $19, $20, $21)
          ON CONFLICT ON CONSTRAINT export_jobs_idempotency_key DO NOTHING
          RETURNING",
         "",
@@ -88,6 +89,7 @@ pub async fn insert(tx: &mut PgConnection, job: &NewJob<'_>) -> sqlx::Result<Ins
         job.until_tick,
         job.schema_sha256,
         job.exportd_version,
+        job.column_policy,
     )
     .fetch_optional(tx)
     .await;

@@ -398,6 +398,11 @@ impl ExportPage<'_> {
                 }
                 dt { "Dataset, format, mode" } dd { (job.dataset) ", " (job.format.name()) ", " (job.mode.as_str()) }
                 dt { "Requested by" } dd { (job.principal) }
+                @if let Some(fingerprint) = &job.column_policy {
+                    dt { "Column policy" } dd data-field="column-policy" {
+                        "the partner's files are masked by its column policy " code { (fingerprint) }
+                    }
+                }
                 dt { "Created, started, finished" } dd { (when(Some(job.created_at))) ", " (when(job.started_at)) ", " (when(job.finished_at)) }
                 dt { "Progress" } dd data-field="progress" {
                     (count(job.rows_done)) " rows"
