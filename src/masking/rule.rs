@@ -19,7 +19,8 @@ pub enum ColumnRule {
     Null,
     /// Only the first n characters (Unicode scalar values) of the text.
     Truncate(u32),
-    /// HMAC-SHA256 of the value's text with the partner's own key, as 64 lowercase hex digits:
+    /// HMAC-SHA256 of the value's text with the partner's own key, its first 128 bits as 32
+    /// lowercase hex digits:
     /// equal values give equal hashes for one partner (it can join), different ones for every
     /// other partner.
     Hash,
