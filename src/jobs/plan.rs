@@ -95,15 +95,6 @@ impl Plan {
         }
     }
 
-    /// The record key as the job's partner receives it (manifests' first and last keys).
-    pub(super) fn shown_key(&self, key: &str) -> String {
-        let masks = crate::masking::ColumnMasks::of(&self.shard_spec.columns, self.shard_spec.hasher.as_ref());
-        match masks {
-            Ok(Some(masks)) => masks.key(key).into_owned(),
-            _ => key.to_owned(),
-        }
-    }
-
     /// The cursor the manifest hands out to continue after this export.
     pub(super) async fn next_cursor(&self, deps: &WorkerDeps, job: &ExportJob) -> anyhow::Result<String> {
         let cluster = crate::feeds::system_identifier(&deps.pool).await?;

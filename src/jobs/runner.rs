@@ -496,6 +496,9 @@ impl ClaimedExport {
         file: Option<ManifestFile>,
     ) -> anyhow::Result<Manifest> {
         let spec = &self.plan.shard_spec;
+        let policy = plan::column_policy(&self.deps, &self.job);
+        // Checkpoints hold the real keys; a partner with hashed keys is shown its hashes.
+        let shown = |key: &Option<String>| key.as_deref().map(|k| policy.map_or(k.into(), |p| p.key(k)).into_owned());
         let shards: Vec<ManifestShard> = checkpoints
             .iter()
             .map(|c| ManifestShard {
@@ -504,8 +507,8 @@ impl ClaimedExport {
                 rows: c.rows as u64,
                 bytes: c.bytes as u64,
                 sha256: c.sha256.clone(),
-                first_key: c.first_key.as_deref().map(|k| self.plan.shown_key(k)),
-                last_key: c.last_key.as_deref().map(|k| self.plan.shown_key(k)),
+                first_key: shown(&c.first_key),
+                last_key: shown(&c.last_key),
                 stats: c.stats.clone().map(|stats| stats.0),
             })
             .collect();
@@ -520,7 +523,7 @@ impl ClaimedExport {
             file_schema: spec.format.spec().file_schema(&spec.columns)?,
             filter: self.plan.filter.clone(),
             row_filter: self.plan.row_filter.clone(),
-            column_policy: plan::column_policy(&self.deps, &self.job).map(ColumnPolicy::summary),
+            column_policy: policy.map(ColumnPolicy::summary),
             snapshot_watermark: self.plan.watermark.to_string(),
             created_at: self.job.created_at.format(&time::format_description::well_known::Rfc3339).expect("formats"),
             from_cursor: self.job.from_cursor.clone(),

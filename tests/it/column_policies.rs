@@ -227,6 +227,9 @@ async fn masked_partners_never_receive_canaries_and_hash_with_their_own_key(pool
     assert_eq!(prism_rows.len() - 1, ROWS);
     assert!(prism_rows[1..].iter().all(|r| (0..ROWS).any(|i| r[0] == hashed("prism", &key(i)))));
     assert!(prism_rows[1..].iter().all(|r| rows[1..].iter().all(|l| l[0] != r[0] && l[2] != r[2])), "unlinkable");
+    let lens_export = manifest["export_id"].as_str().unwrap();
+    let admins_view = alice.get(&format!("/v1/exports/{lens_export}/manifest")).await;
+    assert_eq!(admins_view.status(), 200, "the tenant's admin reads a masked partner's export as published");
     let (_, admin_shards) = alice.export(&pool, csv.clone(), false).await;
     let admin_text = String::from_utf8(admin_shards.concat()).unwrap();
     assert!(admin_text.contains(&email(7)) && admin_text.contains(&key(7)) && admin_text.contains("+1-555-0107"));
