@@ -18,6 +18,7 @@ pub mod links;
 pub mod masking;
 pub mod quota;
 pub mod records;
+pub mod schemas;
 pub mod server;
 pub mod storage;
 pub mod telemetry;

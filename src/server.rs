@@ -57,15 +57,19 @@ pub struct Prepared {
 
 /// [`prepare`], also saying how many migrations were applied (`exportd migrate`).
 pub async fn prepare_reporting(settings: &Settings, max_connections: u32) -> anyhow::Result<Prepared> {
-    let registry = Registry::load(&settings.tenants_dir)?;
-    let (pool, migrations_applied) = patiently(|| async {
+    let mut registry = Registry::load(&settings.tenants_dir)?;
+    let (pool, migrations_applied, versions) = patiently(|| async {
         db::create_database_if_missing(&settings.database_url).await?;
         let pool = db::connect(&settings.database_url, max_connections).await?;
         let migrations_applied = db::migrate(&pool).await?;
+        // Versions first: a breaking change refused here leaves the write functions' catalogue
+        // as it was.
+        let versions = crate::schemas::register(&pool, &registry, &settings.tenants_dir).await?;
         db::sync_catalogue(&pool, &registry).await?;
-        Ok((pool, migrations_applied))
+        Ok((pool, migrations_applied, versions))
     })
     .await?;
+    registry.set_schema_versions(versions);
     Ok(Prepared { pool, registry: Arc::new(registry), migrations_applied })
 }
 

@@ -179,6 +179,7 @@ fn encoded_size(
         mode: spec.mode,
         watermark: "0:0:",
         schema_sha256: &spec.schema_sha256,
+        schema_version: &spec.schema_version,
         exportd_version: crate::VERSION,
         columns: &spec.columns,
         column_policy: spec.column_policy.as_deref(),

@@ -6,6 +6,7 @@ use serde_json::Value;
 
 use super::Mode;
 use crate::masking::{ColumnHasher, PolicySummary};
+use crate::schemas::SchemaStamp;
 use crate::writers::{Codec, ColumnStats, FileColumn, Format, OutputColumn, ShardSpec};
 
 pub const MANIFEST_VERSION: u32 = 1;
@@ -18,6 +19,10 @@ pub struct Manifest {
     pub mode: Mode,
     pub format: Format,
     pub compression: &'static str,
+    /// The dataset schema version the export was written with (absent: an export older than
+    /// schema versions).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub schema: Option<SchemaStamp>,
     /// The key column first, then the exported columns in file order.
     pub columns: Vec<OutputColumn>,
     /// Formats whose files declare their columns (Parquet): the columns as every shard file
@@ -86,6 +91,7 @@ pub struct FileFacts<'a> {
     pub mode: Mode,
     pub watermark: &'a str,
     pub schema_sha256: &'a str,
+    pub schema_version: &'a str,
     pub exportd_version: &'a str,
     pub columns: &'a [OutputColumn],
     /// The fingerprint of the partner's column policy, if it has one.
@@ -119,6 +125,8 @@ fn file_metadata(facts: &FileFacts<'_>) -> Vec<(String, String)> {
     ]
     .into_iter()
     .chain(facts.column_policy.map(|fingerprint| ("exportd.column_policy", fingerprint.to_owned())))
+    // Jobs created before schema versions rewrite their shards without it: same bytes.
+    .chain(Some(facts.schema_version).filter(|v| !v.is_empty()).map(|v| ("exportd.schema_version", v.to_owned())))
     .map(|(key, value)| (key.to_owned(), value))
     .collect()
 }

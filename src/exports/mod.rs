@@ -94,8 +94,10 @@ pub struct ExportJob {
     pub format: Format,
     /// What writes the shards' bytes: the format's codec when the job was created.
     pub codec: Codec,
-    /// The dataset schema's sha256 and the exportd version at creation (Parquet footers).
+    /// The dataset schema's sha256 and version (empty for jobs older than versions) and the
+    /// exportd version at creation (manifests, Parquet footers).
     pub schema_sha256: String,
+    pub schema_version: String,
     pub exportd_version: String,
     pub request: Value,
     pub request_sha256: String,
@@ -134,6 +136,17 @@ pub struct ExportJob {
     /// Rows of the shard plan so far; the exact total once a full export's plan is complete.
     pub planned_rows: i64,
     pub plan_complete: bool,
+}
+
+impl ExportJob {
+    /// The schema version and hash the export was written with (none for jobs older than
+    /// schema versions).
+    pub fn schema_stamp(&self) -> Option<crate::schemas::SchemaStamp> {
+        (!self.schema_version.is_empty()).then(|| crate::schemas::SchemaStamp {
+            version: self.schema_version.clone(),
+            sha256: self.schema_sha256.clone(),
+        })
+    }
 }
 
 /// The outcome of a create: the job, and whether it already existed for this key.
@@ -193,6 +206,7 @@ pub async fn create(
         format: spec.format.name(),
         codec: spec.format.spec().codec.name(),
         schema_sha256: &spec.schema_sha256,
+        schema_version: &spec.schema_version,
         exportd_version: crate::VERSION,
         request: &canonical,
         request_sha256: &request_sha256,

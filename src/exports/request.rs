@@ -5,6 +5,7 @@ use serde_json::{Map, Value};
 
 use crate::auth::Caller;
 use crate::masking::{ColumnPolicy, ColumnRule};
+use crate::schemas::ServedSchema;
 use crate::tenants::{DatasetName, DatasetSchema, RowFilter};
 use crate::writers::{Format, OutputColumn};
 
@@ -105,14 +106,18 @@ pub struct ExportSpec {
     /// The fingerprint of the partner's column policy for the dataset.
     pub column_policy: Option<String>,
     pub shard_rows: u32,
-    /// The dataset schema's sha256 (see [`DatasetSchema::sha256`]).
+    /// The sha256 (see [`DatasetSchema::sha256`]) and version of the dataset schema the caller
+    /// receives (an older major if it is pinned): the columns come from it.
     pub schema_sha256: String,
+    pub schema_version: String,
 }
 
 impl ExportSpec {
     /// Checks the request against the caller's tenant, grants and the dataset's columns.
     pub fn validate(request: &ExportRequest, caller: &Caller) -> Result<ExportSpec, ExportError> {
-        let schema = caller.tenant.dataset(&request.dataset).ok_or(ExportError::DatasetNotFound)?;
+        let served =
+            caller.tenant.served_schema(&request.dataset, &caller.principal).ok_or(ExportError::DatasetNotFound)?;
+        let schema = &*served.schema;
         if !caller.principal.is_granted(&schema.name) {
             return Err(ExportError::DatasetNotGranted);
         }
@@ -131,6 +136,9 @@ impl ExportSpec {
         }
         let policy = caller.principal.column_policy(schema.name.as_str());
         let mut columns = output_columns(schema, policy, request.columns.as_deref())?;
+        for column in columns.iter_mut().filter(|c| served.is_retired(&c.name)) {
+            column.retire();
+        }
         if request.mode == Mode::Incremental {
             // A delete carries its key alone: every dataset column may be null.
             columns.iter_mut().skip(1).for_each(|c| c.required = false);
@@ -142,11 +150,12 @@ impl ExportSpec {
             format: request.format,
             mode: request.mode,
             columns,
-            filter: check_filter(schema, policy, request.filter.clone().unwrap_or_default())?,
+            filter: check_filter(served, policy, request.filter.clone().unwrap_or_default())?,
             row_filter: row_filter_json(&caller.principal.row_filter),
             column_policy: policy.map(|p| p.fingerprint().to_owned()),
             shard_rows,
-            schema_sha256: schema.sha256(),
+            schema_sha256: served.sha256.clone(),
+            schema_version: served.version.to_string(),
         })
     }
 }
@@ -186,10 +195,11 @@ fn output_columns(
 /// A filter names columns the caller receives whole: filtering by a masked value would tell
 /// what the mask hides.
 fn check_filter(
-    schema: &DatasetSchema,
+    served: &ServedSchema,
     policy: Option<&ColumnPolicy>,
     filter: Map<String, Value>,
 ) -> Result<Map<String, Value>, ExportError> {
+    let schema = &served.schema;
     for (name, value) in &filter {
         let field = format!("filter.{name}");
         let rule = policy.and_then(|p| p.rule(name));
@@ -199,6 +209,11 @@ fn check_filter(
             .ok_or_else(|| invalid(&field, format!("dataset `{}` has no column `{name}`", schema.name)))?;
         if let Some(rule) = rule {
             return Err(invalid(&field, format!("`{name}` reaches you masked ({rule}) and cannot be filtered")));
+        }
+        if served.is_retired(name) {
+            let why =
+                format!("`{name}` left the dataset's current schema: it reaches you as null and cannot be filtered");
+            return Err(invalid(&field, why));
         }
         if !column.ty.accepts_filter_value(value) {
             return Err(invalid(&field, format!("a {:?} column is filtered by a value of its type", column.ty)));

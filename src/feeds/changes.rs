@@ -42,6 +42,16 @@ pub struct ChangePage {
 }
 
 impl ChangePage {
+    /// Shows every change's data as `served` has it (its columns only, retired ones null).
+    pub fn project(&mut self, served: &crate::schemas::ServedSchema) -> serde_json::Result<()> {
+        for change in &mut self.changes {
+            if let Some(data) = &change.data {
+                change.data = Some(RawValue::from_string(served.project(data.get())?)?);
+            }
+        }
+        Ok(())
+    }
+
     /// Puts every change through the partner's column policy (keys and data), after the page's
     /// positions were taken from the real keys.
     pub fn mask(&mut self, policy: &crate::masking::ColumnPolicy) -> serde_json::Result<()> {

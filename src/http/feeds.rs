@@ -12,6 +12,7 @@ use super::records::exposed_dataset;
 use super::state::AppState;
 use crate::auth::Caller;
 use crate::feeds::{self, Change, Cursor, CursorError, CursorOwner, Feed, Seal};
+use crate::schemas::SchemaStamp;
 use crate::tenants::DatasetSchema;
 
 pub const DEFAULT_LIMIT: usize = 1000;
@@ -41,6 +42,10 @@ pub struct ChangesPage {
     /// Caught up with the newest sealed window: poll again after `retry_after_seconds`.
     end_of_stream: bool,
     retry_after_seconds: Option<u32>,
+    /// The dataset schema version (`major.minor`) and sha256 the page's `data` has: the current
+    /// one, or the older major the caller is pinned to.
+    #[schema(value_type = Object)]
+    schema: SchemaStamp,
 }
 
 /// The next changes after a cursor: `{op: upsert|delete, key, data?}` per key, in window order
@@ -85,6 +90,11 @@ async fn changes(
         seal: Seal::Delayed { now, safety_delay_seconds: caller.tenant.feeds.safety_delay_seconds },
     };
     let mut page = feeds::page(&state.pool, &feed, cursor, limit).await?;
+    let versions = caller.tenant.versions(schema.name.as_str()).expect("an exposed dataset has versions");
+    let served = versions.served(caller.principal.schema_pin(schema.name.as_str()));
+    if versions.projects(served) {
+        page.project(served).map_err(anyhow::Error::from)?;
+    }
     if let Some(policy) = caller.principal.column_policy(schema.name.as_str()) {
         page.mask(policy).map_err(anyhow::Error::from)?;
     }
@@ -94,6 +104,7 @@ async fn changes(
         next_cursor: page.next.encode(&state.links),
         end_of_stream: page.end_of_stream,
         retry_after_seconds: retry,
+        schema: served.stamp(),
     }))
 }
 
@@ -137,7 +148,7 @@ fn cursor_owner<'a>(
     }
 }
 
-fn readable_dataset(caller: &Caller, name: &str) -> ApiResult<std::sync::Arc<DatasetSchema>> {
+pub(super) fn readable_dataset(caller: &Caller, name: &str) -> ApiResult<std::sync::Arc<DatasetSchema>> {
     let schema = exposed_dataset(caller, name)?;
     if !caller.principal.is_granted(&schema.name) {
         return Err(ApiError::new(

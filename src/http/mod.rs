@@ -13,6 +13,7 @@ mod metrics;
 mod openapi;
 mod range;
 mod records;
+mod schemas;
 mod session;
 mod stall;
 mod state;

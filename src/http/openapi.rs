@@ -5,7 +5,7 @@ use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 
 use super::state::AppState;
-use super::{audit, downloads, exports, feeds, health, records, usage, webhooks};
+use super::{audit, downloads, exports, feeds, health, records, schemas, usage, webhooks};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -34,6 +34,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .merge(downloads::router())
         .merge(audit::router())
         .merge(feeds::router())
+        .merge(schemas::router())
         .merge(usage::router())
         .merge(webhooks::router())
 }

@@ -43,6 +43,11 @@ pub struct DatasetView {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
     column_policy: Option<PolicySummary>,
+    /// The schema version the caller receives (`major.minor`; see `GET /v1/datasets/{dataset}/schema`).
+    schema_version: String,
+    /// The older major version the caller is pinned to, if any: `columns` are that version's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pinned_major: Option<u32>,
 }
 
 /// The datasets the caller may read, with their columns.
@@ -56,16 +61,20 @@ async fn list_datasets(caller: Caller) -> axum::Json<DatasetList> {
         .datasets
         .iter()
         .filter(|(name, _)| caller.principal.is_granted(name))
-        .map(|(name, schema)| {
+        .filter_map(|(name, _)| {
+            let served = caller.tenant.served_schema(name.as_str(), &caller.principal)?;
+            let schema = &served.schema;
             let policy = caller.principal.column_policy(name.as_str());
             let dropped = |c: &&Column| policy.and_then(|p| p.rule(c.name.as_str())) == Some(ColumnRule::Drop);
-            DatasetView {
+            Some(DatasetView {
                 name: name.to_string(),
                 key_column: schema.key_column.to_string(),
                 columns: schema.columns.iter().filter(|c| !dropped(c)).cloned().collect(),
                 row_filter: row_filter.clone(),
                 column_policy: policy.map(|p| p.summary()),
-            }
+                schema_version: served.version.to_string(),
+                pinned_major: caller.tenant.effective_pin(name.as_str(), &caller.principal),
+            })
         })
         .collect();
     axum::Json(DatasetList { datasets })

@@ -42,6 +42,7 @@ impl Plan {
             mode: job.mode,
             watermark: &job.watermark,
             schema_sha256: &job.schema_sha256,
+            schema_version: &job.schema_version,
             exportd_version: &job.exportd_version,
             columns: &columns,
             column_policy: job.column_policy.as_deref(),

@@ -519,6 +519,7 @@ impl ClaimedExport {
             mode: self.job.mode,
             format: self.job.format,
             compression: spec.format.spec().compression,
+            schema: self.job.schema_stamp(),
             columns: spec.columns.clone(),
             file_schema: spec.format.spec().file_schema(&spec.columns)?,
             filter: self.plan.filter.clone(),

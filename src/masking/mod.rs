@@ -215,7 +215,9 @@ impl ColumnMasks {
     /// The masks of `columns` (the key first), or `None` when no column is masked. Refuses a
     /// hash rule without a key.
     pub fn of(columns: &[OutputColumn], hasher: Option<&ColumnHasher>) -> Result<Option<ColumnMasks>, String> {
-        let rules: Vec<Option<ColumnRule>> = columns.iter().map(|c| c.masked).collect();
+        // A retired column (see `OutputColumn::retired`) reads like a nulled one.
+        let rules: Vec<Option<ColumnRule>> =
+            columns.iter().map(|c| if c.retired { Some(ColumnRule::Null) } else { c.masked }).collect();
         if rules.iter().all(Option::is_none) {
             return Ok(None);
         }

@@ -91,9 +91,22 @@ impl Column {
 #[serde(deny_unknown_fields)]
 pub struct DatasetSchema {
     pub name: DatasetName,
+    /// The major schema version the file declares (1 when left out). A breaking change is
+    /// refused at start-up unless it comes with the next major (see `crate::schemas`).
+    #[serde(default = "first_version", skip_serializing_if = "is_first_version")]
+    pub version: u32,
     /// Name under which a record's key appears in exports (always the first column).
     pub key_column: ColumnName,
     pub columns: Vec<Column>,
+}
+
+fn first_version() -> u32 {
+    1
+}
+
+/// Left out of the hash input, so files that never declared a version keep their hash.
+fn is_first_version(version: &u32) -> bool {
+    *version == 1
 }
 
 impl DatasetSchema {
@@ -104,6 +117,9 @@ impl DatasetSchema {
     /// Checks what serde cannot: at least one column, no duplicates, key column not redeclared.
     /// Returns the offending field path and a message.
     pub fn check(&self) -> Result<(), (String, String)> {
+        if self.version == 0 {
+            return Err(("version".into(), "schema versions start at 1".into()));
+        }
         if self.columns.is_empty() {
             return Err(("columns".into(), "a dataset needs at least one column".into()));
         }

@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 use super::webhooks::{self, WebhookEndpoint, WebhookFile};
 use crate::masking::{ColumnHasher, ColumnPolicy, ColumnRule};
+use crate::schemas::DatasetVersions;
 
 use super::{
     Auth, ColumnName, ConfigError, DatasetName, DatasetSchema, Feeds, Principal, PrincipalId, Quota, Registry,
@@ -68,6 +69,9 @@ struct PrincipalFile {
     /// Per granted dataset: column → rule (`drop`, `null`, `truncate(n)`, `hash`).
     #[serde(default)]
     column_policy: BTreeMap<DatasetName, BTreeMap<ColumnName, ColumnRule>>,
+    /// Per granted dataset: the major schema version this partner keeps receiving.
+    #[serde(default)]
+    schema_pins: BTreeMap<DatasetName, u32>,
 }
 
 pub(super) fn load_dir(dir: &Path) -> Result<Registry, ConfigError> {
@@ -191,10 +195,15 @@ fn load_tenant(path: &Path, schemas: &BTreeMap<DatasetName, Arc<DatasetSchema>>)
         webhooks.push(endpoint);
     }
 
+    let versions = datasets
+        .iter()
+        .map(|(name, schema)| (name.clone(), Arc::new(DatasetVersions::provisional(schema.clone()))))
+        .collect();
     Ok(Tenant {
         id: raw.id,
         name: raw.name,
         datasets,
+        versions,
         keys,
         principals,
         quota: raw.quota,
@@ -251,6 +260,20 @@ fn principal(
     if p.role == Role::Admin && !p.column_policy.is_empty() {
         return Err(error(path, &field("column_policy"), "column policies apply to partners only"));
     }
+    if p.role == Role::Admin && !p.schema_pins.is_empty() {
+        return Err(error(path, &field("schema_pins"), "admins read the current schema; pins are for partners"));
+    }
+    for (dataset, major) in &p.schema_pins {
+        let field = field(&format!("schema_pins.{dataset}"));
+        if !p.grants.contains(dataset) {
+            return Err(error(path, &field, format!("`{dataset}` is not granted to this partner")));
+        }
+        let declared = datasets[dataset].version;
+        if !(1..=declared).contains(major) {
+            let why = format!("pin a published major version of `{dataset}` (1 to {declared}), not {major}");
+            return Err(error(path, &field, why));
+        }
+    }
     let mut column_policies = BTreeMap::new();
     for (dataset, rules) in p.column_policy {
         let field = field(&format!("column_policy.{dataset}"));
@@ -293,6 +316,7 @@ fn principal(
         row_filter: p.row_filter,
         disabled: p.disabled,
         column_policies,
+        schema_pins: p.schema_pins,
     })
 }
 

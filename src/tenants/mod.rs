@@ -17,6 +17,8 @@ pub use names::{ColumnName, DatasetName, PrincipalId, TenantId};
 pub use settings::{Auth, Feeds, Quota, Retention};
 pub use webhooks::{WebhookEndpoint, WebhookEvent};
 
+use crate::schemas::{DatasetVersions, SchemaCatalog, ServedSchema};
+
 /// A configuration error: which file, which field, what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
@@ -58,6 +60,8 @@ pub struct Principal {
     pub disabled: bool,
     /// What this partner receives of each column, per dataset (none: everything).
     column_policies: BTreeMap<DatasetName, crate::masking::ColumnPolicy>,
+    /// The major schema version this partner keeps receiving, per dataset (none: the current).
+    schema_pins: BTreeMap<DatasetName, u32>,
 }
 
 impl Principal {
@@ -78,6 +82,15 @@ impl Principal {
     /// The fingerprint of that policy, as frozen into exports and cursors.
     pub fn policy_fingerprint(&self, dataset: &str) -> Option<&str> {
         self.column_policy(dataset).map(|p| p.fingerprint())
+    }
+
+    /// The major version of `dataset`'s schema this partner is pinned to, if any.
+    pub fn schema_pin(&self, dataset: &str) -> Option<u32> {
+        self.schema_pins.get(dataset).copied()
+    }
+
+    pub fn schema_pins(&self) -> &BTreeMap<DatasetName, u32> {
+        &self.schema_pins
     }
 
     /// Whether this principal may read `dataset` (which the tenant must also expose).
@@ -113,6 +126,8 @@ pub struct Tenant {
     pub id: TenantId,
     pub name: String,
     pub datasets: BTreeMap<DatasetName, Arc<DatasetSchema>>,
+    /// Each dataset's recorded schema versions (see [`crate::schemas`]).
+    versions: BTreeMap<DatasetName, Arc<DatasetVersions>>,
     /// The first key signs new tokens; all are accepted.
     pub keys: Vec<SigningKey>,
     pub principals: BTreeMap<PrincipalId, Principal>,
@@ -133,6 +148,25 @@ impl Tenant {
         self.datasets.get(name)
     }
 
+    /// `dataset`'s schema versions, if the tenant exposes it.
+    pub fn versions(&self, dataset: &str) -> Option<&Arc<DatasetVersions>> {
+        self.versions.get(dataset)
+    }
+
+    /// The schema of `dataset` that `principal` receives: the version its pin names, else the
+    /// current one.
+    pub fn served_schema(&self, dataset: &str, principal: &Principal) -> Option<&ServedSchema> {
+        Some(self.versions(dataset)?.served(principal.schema_pin(dataset)))
+    }
+
+    /// The older major `principal` is pinned to and receives (a pin of the current major or a
+    /// later one has no effect yet).
+    pub fn effective_pin(&self, dataset: &str, principal: &Principal) -> Option<u32> {
+        let versions = self.versions(dataset)?;
+        let served = versions.served(principal.schema_pin(dataset));
+        (served.version.major < versions.current.version.major).then_some(served.version.major)
+    }
+
     pub fn webhook(&self, name: &str) -> Option<&WebhookEndpoint> {
         self.webhooks.iter().find(|w| w.name == name)
     }
@@ -150,6 +184,30 @@ impl Registry {
     /// Loads `dir/datasets/*.toml` and `dir/*.toml`.
     pub fn load(dir: &Path) -> Result<Registry, ConfigError> {
         file::load_dir(dir)
+    }
+
+    /// Every dataset schema some tenant exposes, once each.
+    pub fn schemas(&self) -> Vec<Arc<DatasetSchema>> {
+        let mut schemas = BTreeMap::new();
+        for schema in self.tenants.values().flat_map(|t| t.datasets.values()) {
+            schemas.entry(schema.name.clone()).or_insert_with(|| schema.clone());
+        }
+        schemas.into_values().collect()
+    }
+
+    /// Puts the versions start-up recorded in place of the provisional ones. Only while the
+    /// registry is not shared yet (start-up).
+    pub fn set_schema_versions(&mut self, catalog: SchemaCatalog) {
+        let catalog: BTreeMap<DatasetName, Arc<DatasetVersions>> =
+            catalog.into_iter().map(|(name, versions)| (name, Arc::new(versions))).collect();
+        for tenant in self.tenants.values_mut() {
+            let tenant = Arc::get_mut(tenant).expect("the registry is not shared during start-up");
+            for (name, versions) in tenant.versions.iter_mut() {
+                if let Some(recorded) = catalog.get(name) {
+                    *versions = recorded.clone();
+                }
+            }
+        }
     }
 
     pub fn get(&self, id: &str) -> Option<&Arc<Tenant>> {

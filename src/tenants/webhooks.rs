@@ -30,16 +30,20 @@ pub enum WebhookEvent {
     ExportRevoked,
     #[serde(rename = "feed.lagging")]
     FeedLagging,
+    /// A dataset's schema has a new version (announced before any export or page uses it).
+    #[serde(rename = "schema.changed")]
+    SchemaChanged,
 }
 
 impl WebhookEvent {
-    pub const ALL: [WebhookEvent; 6] = [
+    pub const ALL: [WebhookEvent; 7] = [
         WebhookEvent::ExportSucceeded,
         WebhookEvent::ExportFailed,
         WebhookEvent::ExportCancelled,
         WebhookEvent::ExportExpired,
         WebhookEvent::ExportRevoked,
         WebhookEvent::FeedLagging,
+        WebhookEvent::SchemaChanged,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -50,6 +54,7 @@ impl WebhookEvent {
             WebhookEvent::ExportExpired => "export.expired",
             WebhookEvent::ExportRevoked => "export.revoked",
             WebhookEvent::FeedLagging => "feed.lagging",
+            WebhookEvent::SchemaChanged => "schema.changed",
         }
     }
 

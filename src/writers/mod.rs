@@ -56,6 +56,10 @@ pub struct OutputColumn {
     /// `hash`); a dropped column is not there at all.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub masked: Option<ColumnRule>,
+    /// A column of a partner's pinned (older) schema version that the current version removed
+    /// or retyped: always null.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub retired: bool,
 }
 
 impl OutputColumn {
@@ -68,6 +72,7 @@ impl OutputColumn {
             precision: None,
             scale: None,
             masked: None,
+            retired: false,
         }
     }
 
@@ -80,7 +85,14 @@ impl OutputColumn {
             precision: column.precision,
             scale: column.scale,
             masked: None,
+            retired: false,
         }
+    }
+
+    /// Makes this a retired column of a pinned schema: nullable, always null.
+    pub fn retire(&mut self) {
+        self.retired = true;
+        self.required = false;
     }
 
     /// `(precision, scale)` of a number column declared as a decimal.

@@ -20,6 +20,7 @@ mod partner_view;
 mod quotas;
 mod record_store;
 mod restarts;
+mod schema_versions;
 mod slow_clients;
 mod storage;
 mod tenant_config;

@@ -20,6 +20,7 @@ pub struct NewJob<'a> {
     pub format: &'a str,
     pub codec: &'a str,
     pub schema_sha256: &'a str,
+    pub schema_version: &'a str,
     pub exportd_version: &'a str,
     pub request: &'a Value,
     pub request_sha256: &'a str,
@@ -63,9 +64,10 @@ pub async fn insert(tx: &mut PgConnection, job: &NewJob<'_>) -> sqlx::Result<Ins
     let inserted = job_query!(
         "INSERT INTO export_jobs (id, tenant, principal, dataset, mode, format, codec, request, request_sha256,
              idempotency_key, columns, filter, row_filter, shard_rows, watermark,
-             from_cursor, start_from, start_after, until_tick, schema_sha256, exportd_version, column_policy)
+             from_cursor, start_from, start_after, until_tick, schema_sha256, exportd_version, column_policy,
+             schema_version)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, pg_current_snapshot(), $15, $16, $17, $18,
-             $19, $20, $21)
+             $19, $20, $21, $22)
          ON CONFLICT ON CONSTRAINT export_jobs_idempotency_key DO NOTHING
          RETURNING",
         "",
@@ -90,6 +92,7 @@ pub async fn insert(tx: &mut PgConnection, job: &NewJob<'_>) -> sqlx::Result<Ins
         job.schema_sha256,
         job.exportd_version,
         job.column_policy,
+        job.schema_version,
     )
     .fetch_optional(tx)
     .await;

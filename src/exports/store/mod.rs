@@ -27,7 +27,7 @@ macro_rules! job_query {
             crate::exports::ExportJob,
             $before
                 + r#" id, tenant, principal, dataset, mode AS "mode: crate::exports::Mode",
-                  format AS "format: crate::writers::Format", codec AS "codec: crate::writers::Codec", schema_sha256, exportd_version, request, request_sha256,
+                  format AS "format: crate::writers::Format", codec AS "codec: crate::writers::Codec", schema_sha256, schema_version, exportd_version, request, request_sha256,
                   state AS "state: crate::exports::ExportState", watermark::text AS "watermark!", columns,
                   filter, row_filter, column_policy, shard_rows, created_at, started_at, finished_at, lease_generation,
                   attempts, stalled_attempts, stalled_since, shards_done, rows_done, bytes_done, error_code, error_detail,

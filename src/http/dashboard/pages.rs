@@ -307,6 +307,7 @@ impl Overview<'_> {
                     thead { tr {
                         th scope="col" { "Partner" } th scope="col" { "Exports (30 days)" } th scope="col" { "Egress (30 days)" }
                         th scope="col" { "Last download" } th scope="col" { "Feeds: dataset, position, last pull" }
+                        th scope="col" { "Schema versions received" }
                     } }
                     tbody {
                         @for partner in self.partners {
@@ -328,7 +329,29 @@ impl Overview<'_> {
                                         }
                                     }
                                 }
+                                td { (self.schema_versions(&partner.principal)) }
                             }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Per dataset the partner is granted: the schema version it receives, and its pin when it
+    /// holds it on an older major than the current one.
+    fn schema_versions(&self, principal: &str) -> Markup {
+        let Some(principal) = self.tenant.principal(principal) else { return html! {} };
+        let granted = self.tenant.datasets.keys().filter(|name| principal.is_granted(name));
+        html! {
+            @for dataset in granted {
+                @if let Some(versions) = self.tenant.versions(dataset.as_str()) {
+                    @let served = versions.served(principal.schema_pin(dataset.as_str()));
+                    div data-schema=(format!("{}/{}", principal.id, dataset)) {
+                        code { (dataset) } " " (served.version.to_string())
+                        @if let Some(major) = self.tenant.effective_pin(dataset.as_str(), principal) {
+                            " " span.pinned data-pinned=(major) { "pinned to " (major) } " (current "
+                            (versions.current.version.to_string()) ")"
                         }
                     }
                 }
@@ -402,6 +425,9 @@ impl ExportPage<'_> {
                     dt { "Column policy" } dd data-field="column-policy" {
                         "the partner's files are masked by its column policy " code { (fingerprint) }
                     }
+                }
+                @if !job.schema_version.is_empty() {
+                    dt { "Schema version" } dd data-field="schema-version" { (job.schema_version) }
                 }
                 dt { "Created, started, finished" } dd { (when(Some(job.created_at))) ", " (when(job.started_at)) ", " (when(job.finished_at)) }
                 dt { "Progress" } dd data-field="progress" {

@@ -29,11 +29,19 @@ pub fn fixture_registry() -> Arc<Registry> {
     Arc::new(Registry::load(&fixture_tenants_dir()).expect("fixture tenants load"))
 }
 
-/// Copies the fixture catalogue into the test database, as `serve` does at start-up.
+/// Records the fixture schemas' versions and copies the fixture catalogue into the test
+/// database, as `serve` does at start-up.
 pub async fn prepare_db(pool: &PgPool) -> Arc<Registry> {
-    let registry = fixture_registry();
-    exportd::db::sync_catalogue(pool, &registry).await.expect("catalogue sync");
-    registry
+    prepare_db_from(pool, &fixture_tenants_dir()).await.expect("fixture tenants start up")
+}
+
+/// [`prepare_db`] with the tenant files of `dir`: an error is what start-up would refuse.
+pub async fn prepare_db_from(pool: &PgPool, dir: &Path) -> anyhow::Result<Arc<Registry>> {
+    let mut registry = Registry::load(dir)?;
+    let versions = exportd::schemas::register(pool, &registry, dir).await?;
+    exportd::db::sync_catalogue(pool, &registry).await?;
+    registry.set_schema_versions(versions);
+    Ok(Arc::new(registry))
 }
 
 /// Which backend a test's artifact store uses.

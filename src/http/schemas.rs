@@ -1,0 +1,121 @@
+//! `GET /v1/datasets/{dataset}/schema`: the schema version the caller receives and every
+//! recorded version, each as the caller sees it (after its column policy).
+
+use axum::extract::State;
+use serde::Serialize;
+use serde_json::Value;
+use utoipa::ToSchema;
+use utoipa_axum::{router::OpenApiRouter, routes};
+
+use super::error::ApiResult;
+use super::extract::Path;
+use super::feeds::readable_dataset;
+use super::state::AppState;
+use crate::auth::Caller;
+use crate::masking::ColumnPolicy;
+use crate::schemas::{HistoryEntry, ServedSchema};
+use crate::tenants::DatasetSchema;
+use crate::writers::OutputColumn;
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(dataset_schema))
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct SchemaDocument {
+    dataset: String,
+    /// What the caller's exports and feed pages are written with now.
+    served: ServedView,
+    /// The dataset's current version (newer than `served.version` when the caller is pinned).
+    current_version: String,
+    /// The older major the caller is pinned to, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pinned_major: Option<u32>,
+    /// Every recorded version, oldest first.
+    history: Vec<VersionView>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct ServedView {
+    version: String,
+    sha256: String,
+    /// The key column first, then the columns as the caller receives them: a column its policy
+    /// drops is missing, a masked one says `masked`, and a column of a pinned version that the
+    /// current one removed or retyped says `retired` (always null).
+    #[schema(value_type = Vec<Object>)]
+    columns: Vec<OutputColumn>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct VersionView {
+    version: String,
+    sha256: String,
+    /// `initial`, `compatible` (a minor version) or `breaking` (a major one).
+    change: String,
+    /// What changed from the version before, each with an `explanation`.
+    #[schema(value_type = Vec<Object>)]
+    changes: Vec<Value>,
+    #[schema(value_type = Vec<Object>)]
+    columns: Vec<OutputColumn>,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    recorded_at: time::OffsetDateTime,
+}
+
+/// The dataset's schema versions, for the caller.
+#[utoipa::path(get, path = "/v1/datasets/{dataset}/schema", tag = "datasets", security(("bearer" = [])),
+    params(("dataset" = String, Path)),
+    responses((status = 200, body = SchemaDocument), (status = 403, description = "dataset not granted"),
+        (status = 404, description = "no such dataset")))]
+async fn dataset_schema(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(dataset): Path<String>,
+) -> ApiResult<axum::Json<SchemaDocument>> {
+    let schema = readable_dataset(&caller, &dataset)?;
+    let name = schema.name.as_str();
+    let versions = caller.tenant.versions(name).expect("an exposed dataset has versions");
+    let served = versions.served(caller.principal.schema_pin(name));
+    let policy = caller.principal.column_policy(name);
+    let history = crate::schemas::history(&state.pool, name).await?;
+    Ok(axum::Json(SchemaDocument {
+        dataset: name.to_owned(),
+        served: ServedView {
+            version: served.version.to_string(),
+            sha256: served.sha256.clone(),
+            columns: served_columns(served, policy),
+        },
+        current_version: versions.current.version.to_string(),
+        pinned_major: caller.tenant.effective_pin(name, &caller.principal),
+        history: history.iter().map(|entry| version_view(entry, policy)).collect(),
+    }))
+}
+
+/// The key column, then `schema`'s columns, as a caller under `policy` receives them.
+fn columns_seen(schema: &DatasetSchema, policy: Option<&ColumnPolicy>) -> Vec<OutputColumn> {
+    let key = OutputColumn::key(schema.key_column.as_str());
+    std::iter::once(key)
+        .chain(schema.columns.iter().map(OutputColumn::of))
+        .filter_map(|column| match policy {
+            Some(policy) => policy.output_column(column),
+            None => Some(column),
+        })
+        .collect()
+}
+
+fn served_columns(served: &ServedSchema, policy: Option<&ColumnPolicy>) -> Vec<OutputColumn> {
+    let mut columns = columns_seen(&served.schema, policy);
+    columns.iter_mut().filter(|c| served.is_retired(&c.name)).for_each(OutputColumn::retire);
+    columns
+}
+
+fn version_view(entry: &HistoryEntry, policy: Option<&ColumnPolicy>) -> VersionView {
+    VersionView {
+        version: entry.version.to_string(),
+        sha256: entry.sha256.clone(),
+        change: entry.change.clone(),
+        changes: crate::schemas::as_seen(&entry.changes, policy),
+        columns: columns_seen(&entry.schema, policy),
+        recorded_at: entry.recorded_at,
+    }
+}
