@@ -20,6 +20,18 @@ leftovers_on_server() {
     -c "SELECT 'schema ' || nspname FROM pg_namespace WHERE nspname LIKE '\\_sqlx%'" 2>/dev/null || true
 }
 
+# Drops, naming each and its test, the test databases sqlx still has registered after a green
+# run: when a test passes sqlx tries once to drop its database, and that fails while a
+# connection of the test (a killed child's backend, a closing pool) is still going away.
+drop_sqlx_stragglers() {
+  local psql=("$(pg_bindir)/psql" -qAt -F ' ' "$DATABASE_URL")
+  "${psql[@]}" -c "SELECT db_name, test_path FROM _sqlx_test.databases" 2>/dev/null |
+    while read -r name test; do
+      echo "scripts/test: sqlx did not drop the database of $test ($name) after it passed; dropping it" >&2
+      PGOPTIONS="-c client_min_messages=warning" "${psql[@]}" -c "DROP DATABASE IF EXISTS \"$name\" WITH (FORCE)"
+    done
+}
+
 # leftovers_compare BEFORE AFTER: fails, naming them, when AFTER has lines BEFORE had not.
 leftovers_compare() {
   local new

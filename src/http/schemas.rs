@@ -111,11 +111,11 @@ fn served_columns(served: &ServedSchema, policy: Option<&ColumnPolicy>) -> Vec<O
 
 fn version_view(entry: &HistoryEntry, policy: Option<&ColumnPolicy>) -> VersionView {
     VersionView {
-        version: entry.version.to_string(),
-        sha256: entry.sha256.clone(),
+        version: entry.recorded.version.to_string(),
+        sha256: entry.recorded.sha256.clone(),
         change: entry.change.clone(),
         changes: crate::schemas::as_seen(&entry.changes, policy),
-        columns: columns_seen(&entry.schema, policy),
+        columns: columns_seen(&entry.recorded.schema, policy),
         recorded_at: entry.recorded_at,
     }
 }

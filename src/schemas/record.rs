@@ -10,15 +10,9 @@ use anyhow::Context;
 use serde_json::json;
 use sqlx::{PgPool, Postgres, Transaction};
 
+use super::history::Recorded;
 use super::{ColumnChange, DatasetVersions, SchemaCatalog, SchemaVersion, ServedSchema, classify};
 use crate::tenants::{ConfigError, DatasetSchema, Registry};
-
-/// A version already in `dataset_schemas`.
-struct Recorded {
-    version: SchemaVersion,
-    sha256: String,
-    schema: DatasetSchema,
-}
 
 /// What start-up does with a dataset file's schema.
 #[derive(Debug, PartialEq)]
@@ -89,15 +83,7 @@ async fn recorded(tx: &mut Transaction<'_, Postgres>, dataset: &str) -> anyhow::
     )
     .fetch_all(&mut **tx)
     .await?;
-    rows.into_iter()
-        .map(|row| {
-            Ok(Recorded {
-                version: SchemaVersion { major: row.major as u32, minor: row.minor as u32 },
-                sha256: row.sha256,
-                schema: serde_json::from_value(row.schema).context("a recorded dataset schema")?,
-            })
-        })
-        .collect()
+    rows.into_iter().map(|row| Recorded::from_row(row.major, row.minor, row.sha256, row.schema)).collect()
 }
 
 /// The version of `schema` given what is recorded (oldest first), or the field of the dataset
