@@ -20,6 +20,7 @@ pub mod quota;
 pub mod records;
 pub mod schemas;
 pub mod server;
+pub mod sharing;
 pub mod storage;
 pub mod telemetry;
 pub mod tenants;

@@ -134,6 +134,7 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
         link_ttl: options.link_ttl,
         metrics: http::MetricsPage::new(options.metrics.clone()),
         webhook_retry_for: settings.webhooks.webhook_retry_for,
+        public_url: settings.webhooks.public_url.clone(),
         ..AppState::new(pool.clone(), registry, deps.store.clone(), deps.keys.clone(), Clock::system())
     };
     let (clock, limits) = (state.clock.clone(), state.limits.clone());

@@ -2,7 +2,7 @@
 
 use uuid::Uuid;
 
-use super::{ExportError, ExportJob, ExportState, Layout, get};
+use super::{ExportError, ExportJob, Layout, get};
 use crate::auth::Caller;
 
 /// A downloadable object of an export.
@@ -41,14 +41,7 @@ pub async fn open(pool: &sqlx::PgPool, caller: &Caller, id: Uuid, object: Object
     if !caller.principal.is_granted(&dataset.name) {
         return Err(ExportError::DatasetNotGranted);
     }
-    super::ensure_same_view(caller, &job)?;
-    match job.state {
-        ExportState::Succeeded => {}
-        ExportState::Queued | ExportState::Running | ExportState::CancelRequested => {
-            return Err(ExportError::NotPublished(job.state));
-        }
-        gone => return Err(ExportError::Gone(gone)),
-    }
+    super::ensure_published(caller, &job)?;
     let shards = super::store::shards::all(pool, id).await?;
     let extension = job.format.extension();
     let (layout, sha256, filename) = match object {

@@ -367,17 +367,22 @@ pub async fn revoke(
     Ok(Revoke::Revoked(job))
 }
 
+/// Whether the caller may be served `job`'s files and manifest: published, and cut with the
+/// view the caller still has.
+pub fn ensure_published(caller: &Caller, job: &ExportJob) -> Result<(), ExportError> {
+    ensure_same_view(caller, job)?;
+    match job.state {
+        ExportState::Succeeded => Ok(()),
+        ExportState::Queued | ExportState::Running | ExportState::CancelRequested => {
+            Err(ExportError::NotPublished(job.state))
+        }
+        gone => Err(ExportError::Gone(gone)),
+    }
+}
+
 /// The published manifest bytes and their sha256.
 pub async fn manifest(pool: &PgPool, caller: &Caller, id: Uuid) -> Result<(Vec<u8>, String), ExportError> {
-    let job = get(pool, caller, id).await?;
-    ensure_same_view(caller, &job)?;
-    match job.state {
-        ExportState::Succeeded => {}
-        ExportState::Queued | ExportState::Running | ExportState::CancelRequested => {
-            return Err(ExportError::NotPublished(job.state));
-        }
-        gone => return Err(ExportError::Gone(gone)),
-    }
+    ensure_published(caller, &get(pool, caller, id).await?)?;
     let Some((bytes, sha256)) = store::jobs::manifest(pool, id).await? else {
         // Revoked or expired since the read above.
         return Err(ExportError::Gone(get(pool, caller, id).await?.state));

@@ -15,6 +15,7 @@ mod range;
 mod records;
 mod schemas;
 mod session;
+mod sharing;
 mod stall;
 mod state;
 mod tenant_slots;

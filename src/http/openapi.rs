@@ -5,7 +5,7 @@ use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 
 use super::state::AppState;
-use super::{audit, downloads, exports, feeds, health, records, schemas, usage, webhooks};
+use super::{audit, downloads, exports, feeds, health, records, schemas, sharing, usage, webhooks};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -37,6 +37,8 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .merge(schemas::router())
         .merge(usage::router())
         .merge(webhooks::router())
+        .merge(sharing::router())
+        .merge(sharing::profile_router())
 }
 
 /// Adds what every operation can answer besides its own statuses, so the document lists every
@@ -60,7 +62,17 @@ pub fn add_common_responses(doc: &mut utoipa::openapi::OpenApi) {
         .required("status")
         .required("code");
     components.schemas.insert("Problem".to_owned(), problem.into());
-    for operation in operations_mut(doc) {
+    let sharing_error = ObjectBuilder::new()
+        .description(Some("Delta Sharing's error body (the /delta-sharing routes)"))
+        .property("errorCode", text())
+        .property("message", text())
+        .required("errorCode")
+        .required("message");
+    components.schemas.insert("SharingError".to_owned(), sharing_error.into());
+    let sharing_paths: Vec<String> =
+        doc.paths.paths.keys().filter(|path| path.starts_with(sharing::PREFIX)).cloned().collect();
+    for (path, operation) in operations_by_path_mut(doc) {
+        let error = if sharing_paths.contains(path) { ErrorBody::Sharing } else { ErrorBody::Problem };
         let authenticated = operation.security.as_ref().is_some_and(|s| !s.is_empty());
         let takes_input = operation.parameters.as_ref().is_some_and(|p| !p.is_empty());
         let has_body = operation.request_body.is_some();
@@ -77,7 +89,7 @@ pub fn add_common_responses(doc: &mut utoipa::openapi::OpenApi) {
         ];
         for (applies, status, description) in common {
             if applies {
-                operation.responses.responses.entry(status.to_owned()).or_insert_with(|| problem_response(description));
+                operation.responses.responses.entry(status.to_owned()).or_insert_with(|| error.response(description));
             }
         }
     }
@@ -202,15 +214,36 @@ struct OperationLink {
 
 /// Every operation of the document.
 fn operations_mut(doc: &mut utoipa::openapi::OpenApi) -> impl Iterator<Item = &mut utoipa::openapi::path::Operation> {
-    doc.paths.paths.values_mut().flat_map(|item| {
+    operations_by_path_mut(doc).map(|(_, operation)| operation)
+}
+
+/// Every operation of the document, with its path.
+fn operations_by_path_mut(
+    doc: &mut utoipa::openapi::OpenApi,
+) -> impl Iterator<Item = (&String, &mut utoipa::openapi::path::Operation)> {
+    doc.paths.paths.iter_mut().flat_map(|(path, item)| {
         [&mut item.get, &mut item.post, &mut item.put, &mut item.delete, &mut item.head, &mut item.patch]
             .into_iter()
             .flatten()
+            .map(move |operation| (path, operation))
     })
 }
 
-fn problem_response(description: &str) -> utoipa::openapi::RefOr<utoipa::openapi::Response> {
-    use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
-    let content = ContentBuilder::new().schema(Some(Ref::from_schema_name("Problem"))).build();
-    ResponseBuilder::new().description(description).content("application/problem+json", content).build().into()
+/// How an operation's errors look: problem+json, or Delta Sharing's `{errorCode, message}`.
+#[derive(Clone, Copy)]
+enum ErrorBody {
+    Problem,
+    Sharing,
+}
+
+impl ErrorBody {
+    fn response(self, description: &str) -> utoipa::openapi::RefOr<utoipa::openapi::Response> {
+        use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+        let (schema, media_type) = match self {
+            ErrorBody::Problem => ("Problem", "application/problem+json"),
+            ErrorBody::Sharing => ("SharingError", "application/json"),
+        };
+        let content = ContentBuilder::new().schema(Some(Ref::from_schema_name(schema))).build();
+        ResponseBuilder::new().description(description).content(media_type, content).build().into()
+    }
 }

@@ -26,6 +26,9 @@ pub struct AppState {
     pub metrics: Arc<MetricsPage>,
     /// A delivery retried by hand is tried again for this long (EXPORTD_WEBHOOK_RETRY_FOR).
     pub webhook_retry_for: Duration,
+    /// The API's public base URL (EXPORTD_PUBLIC_URL): Delta Sharing profiles and file URLs are
+    /// absolute; without it they take the request's `Host`.
+    pub public_url: Option<reqwest::Url>,
 }
 
 /// Default of EXPORTD_WEBHOOK_RETRY_FOR.
@@ -55,6 +58,7 @@ impl AppState {
             limits,
             metrics: MetricsPage::new(MetricsAccess::Closed),
             webhook_retry_for: DEFAULT_WEBHOOK_RETRY_FOR,
+            public_url: None,
         }
     }
 }

@@ -21,6 +21,7 @@ mod quotas;
 mod record_store;
 mod restarts;
 mod schema_versions;
+mod sharing;
 mod slow_clients;
 mod storage;
 mod tenant_config;

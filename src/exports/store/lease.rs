@@ -332,6 +332,9 @@ pub async fn publish(pool: &PgPool, lease: Lease, p: &Publication<'_>) -> sqlx::
     if let Some(cursor) = p.stored_cursor {
         crate::exports::store_cursor(&mut tx, &job.tenant, &job.principal, &job.dataset, cursor).await?;
     }
+    // A full Parquet export of the whole dataset is also the next version of the principal's
+    // shared table (Delta Sharing), in the same transaction as its publication.
+    crate::sharing::record_version(&mut tx, lease.job_id).await?;
     sqlx::query!("DELETE FROM export_shard_plan WHERE export_id = $1", lease.job_id).execute(&mut *tx).await?;
     tx.commit().await?;
     Ok(Ok(()))

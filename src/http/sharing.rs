@@ -1,0 +1,594 @@
+//! Delta Sharing over HTTP, under `/delta-sharing` (the protocol's REST API, so pandas, Spark,
+//! DuckDB and Power BI read a principal's share with their own connectors), and
+//! `GET /v1/sharing/profile` (the profile file those connectors take).
+//!
+//! Handlers answer with [`ApiError`] like every other route; one layer turns those problems
+//! into the protocol's `{"errorCode", "message"}` bodies (see [`as_protocol_error`]).
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::header::{CONTENT_TYPE, HOST};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::{router::OpenApiRouter, routes};
+
+use super::error::{ApiError, ApiResult};
+use super::extract::{Path, Query, bearer_token_of};
+use super::state::AppState;
+use crate::auth::Caller;
+use crate::exports::download::Object;
+use crate::exports::{self, ExportError, ExportJob};
+use crate::sharing::{FileAction, Share, ShareVersion, TableMetadata, VersionError, Which, file_stats, predicate};
+use crate::tenants::DatasetName;
+use crate::writers::OutputColumn;
+
+/// Where the protocol's endpoints live (a profile's `endpoint` ends with it).
+pub const PREFIX: &str = "/delta-sharing";
+const TABLE_VERSION: &str = "delta-table-version";
+const NDJSON: &str = "application/x-ndjson; charset=utf-8";
+/// Page size of the listings when the client names none, and the most it may ask for.
+const DEFAULT_PAGE: usize = 500;
+const MAX_PAGE: usize = 1000;
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_shares))
+        .routes(routes!(get_share))
+        .routes(routes!(list_schemas))
+        .routes(routes!(list_tables))
+        .routes(routes!(list_all_tables))
+        .routes(routes!(table_version))
+        .routes(routes!(table_metadata))
+        .routes(routes!(query_table))
+        .routes(routes!(table_changes))
+        .layer(axum::middleware::map_response(as_protocol_error))
+}
+
+pub fn profile_router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(profile))
+}
+
+// ---- listings -------------------------------------------------------------------------------
+
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct Paging {
+    /// Items per page, 1 to 1000 (default 500).
+    #[serde(rename = "maxResults")]
+    #[param(minimum = 1, maximum = 1000)]
+    max_results: Option<i64>,
+    /// `nextPageToken` of the previous page.
+    #[serde(rename = "pageToken")]
+    page_token: Option<String>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct Page<T: ToSchema> {
+    items: Vec<T>,
+    #[serde(rename = "nextPageToken", skip_serializing_if = "Option::is_none")]
+    next_page_token: Option<String>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct ShareItem {
+    name: String,
+    id: String,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct ShareView {
+    share: ShareItem,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct SchemaItem {
+    name: String,
+    share: String,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct TableItem {
+    name: String,
+    schema: String,
+    share: String,
+    #[serde(rename = "shareId")]
+    share_id: String,
+    id: String,
+}
+
+/// One page of `items` (sorted by name) after `paging`'s token.
+fn page<T: ToSchema>(items: Vec<T>, name: impl Fn(&T) -> &str, paging: &Paging) -> ApiResult<Page<T>> {
+    const MARK: &str = "exportd:";
+    let size = match paging.max_results {
+        None => DEFAULT_PAGE,
+        Some(n) if (1..=MAX_PAGE as i64).contains(&n) => n as usize,
+        Some(_) => return Err(ApiError::invalid_field("maxResults", format!("must be between 1 and {MAX_PAGE}"))),
+    };
+    let after = match paging.page_token.as_deref() {
+        None | Some("") => None,
+        Some(token) => {
+            let text = URL_SAFE_NO_PAD.decode(token).ok().and_then(|bytes| String::from_utf8(bytes).ok());
+            let start = text.as_deref().and_then(|t| t.strip_prefix(MARK)).map(str::to_owned);
+            Some(start.ok_or_else(|| ApiError::invalid_field("pageToken", "not a nextPageToken of this listing"))?)
+        }
+    };
+    let mut rest: Vec<T> = items.into_iter().filter(|item| after.as_deref().is_none_or(|a| name(item) >= a)).collect();
+    let next_page_token = (rest.len() > size).then(|| URL_SAFE_NO_PAD.encode(format!("{MARK}{}", name(&rest[size]))));
+    rest.truncate(size);
+    Ok(Page { items: rest, next_page_token })
+}
+
+fn not_found(what: &str) -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not-found", format!("no such {what}, or not shared with you"))
+}
+
+fn share_item(share: &Share) -> ShareItem {
+    ShareItem { name: share.name().to_owned(), id: share.id() }
+}
+
+fn table_item(share: &Share, table: &DatasetName) -> TableItem {
+    TableItem {
+        name: table.to_string(),
+        schema: share.schema().to_owned(),
+        share: share.name().to_owned(),
+        share_id: share.id(),
+        id: share.table_id(table),
+    }
+}
+
+/// The shares the caller may read: its own.
+#[utoipa::path(get, path = "/delta-sharing/shares", tag = "sharing", security(("bearer" = [])), params(Paging),
+    responses((status = 200, body = Page<ShareItem>)))]
+async fn list_shares(caller: Caller, Query(paging): Query<Paging>) -> ApiResult<axum::Json<Page<ShareItem>>> {
+    let share = Share::of(&caller);
+    Ok(axum::Json(page(vec![share_item(&share)], |s| s.name.as_str(), &paging)?))
+}
+
+#[utoipa::path(get, path = "/delta-sharing/shares/{share}", tag = "sharing", security(("bearer" = [])),
+    params(("share" = String, Path)),
+    responses((status = 200, body = ShareView), (status = 404, description = "RESOURCE_DOES_NOT_EXIST")))]
+async fn get_share(caller: Caller, Path(name): Path<String>) -> ApiResult<axum::Json<ShareView>> {
+    let share = Share::of(&caller);
+    if !share.is(&name, None) {
+        return Err(not_found("share"));
+    }
+    Ok(axum::Json(ShareView { share: share_item(&share) }))
+}
+
+#[utoipa::path(get, path = "/delta-sharing/shares/{share}/schemas", tag = "sharing", security(("bearer" = [])),
+    params(("share" = String, Path), Paging),
+    responses((status = 200, body = Page<SchemaItem>), (status = 404, description = "RESOURCE_DOES_NOT_EXIST")))]
+async fn list_schemas(
+    caller: Caller,
+    Path(name): Path<String>,
+    Query(paging): Query<Paging>,
+) -> ApiResult<axum::Json<Page<SchemaItem>>> {
+    let share = Share::of(&caller);
+    if !share.is(&name, None) {
+        return Err(not_found("share"));
+    }
+    let schema = SchemaItem { name: share.schema().to_owned(), share: share.name().to_owned() };
+    Ok(axum::Json(page(vec![schema], |s| s.name.as_str(), &paging)?))
+}
+
+#[utoipa::path(get, path = "/delta-sharing/shares/{share}/schemas/{schema}/tables", tag = "sharing",
+    security(("bearer" = [])), params(("share" = String, Path), ("schema" = String, Path), Paging),
+    responses((status = 200, body = Page<TableItem>), (status = 404, description = "RESOURCE_DOES_NOT_EXIST")))]
+async fn list_tables(
+    caller: Caller,
+    Path((name, schema)): Path<(String, String)>,
+    Query(paging): Query<Paging>,
+) -> ApiResult<axum::Json<Page<TableItem>>> {
+    tables_page(&caller, &name, Some(&schema), &paging)
+}
+
+#[utoipa::path(get, path = "/delta-sharing/shares/{share}/all-tables", tag = "sharing", security(("bearer" = [])),
+    params(("share" = String, Path), Paging),
+    responses((status = 200, body = Page<TableItem>), (status = 404, description = "RESOURCE_DOES_NOT_EXIST")))]
+async fn list_all_tables(
+    caller: Caller,
+    Path(name): Path<String>,
+    Query(paging): Query<Paging>,
+) -> ApiResult<axum::Json<Page<TableItem>>> {
+    tables_page(&caller, &name, None, &paging)
+}
+
+/// A page of the share's tables (of `schema`, when given: the share has one).
+fn tables_page(
+    caller: &Caller,
+    name: &str,
+    schema: Option<&str>,
+    paging: &Paging,
+) -> ApiResult<axum::Json<Page<TableItem>>> {
+    let share = Share::of(caller);
+    if !share.is(name, schema) {
+        return Err(not_found(if schema.is_some() { "share or schema" } else { "share" }));
+    }
+    let tables = share.tables().into_iter().map(|t| table_item(&share, t)).collect();
+    Ok(axum::Json(page(tables, |t| t.name.as_str(), paging)?))
+}
+
+// ---- one table ------------------------------------------------------------------------------
+
+/// `share.schema.table` of the path, if the caller may read it.
+fn table<'a>(share: &Share<'a>, (name, schema, table): &(String, String, String)) -> ApiResult<&'a DatasetName> {
+    share.table(name, schema, table).ok_or_else(|| not_found("share, schema or table"))
+}
+
+fn timestamp_param(field: &str, text: &str) -> ApiResult<OffsetDateTime> {
+    OffsetDateTime::parse(text, &Rfc3339).map_err(|_| {
+        ApiError::invalid_field(
+            field.to_owned(),
+            "must be an ISO 8601 timestamp with a zone, e.g. 2026-12-05T10:00:00Z",
+        )
+    })
+}
+
+fn version_param(field: &str, version: i64) -> ApiResult<i64> {
+    if version < 0 {
+        return Err(ApiError::invalid_field(field.to_owned(), "must be 0 or more"));
+    }
+    Ok(version)
+}
+
+/// Which version at most one of `version` and `timestamp` names.
+fn which(version: Option<i64>, timestamp: Option<&str>) -> ApiResult<Which> {
+    match (version, timestamp) {
+        (Some(_), Some(_)) => Err(ApiError::invalid_field("version", "give at most one of version and timestamp")),
+        (Some(v), None) => Ok(Which::Number(version_param("version", v)?)),
+        (None, Some(t)) => Ok(Which::AsOf(timestamp_param("timestamp", t)?)),
+        (None, None) => Ok(Which::Latest),
+    }
+}
+
+impl From<VersionError> for ApiError {
+    fn from(e: VersionError) -> Self {
+        match e {
+            VersionError::Database(e) => e.into(),
+            VersionError::NoVersion => ApiError::new(StatusCode::NOT_FOUND, "no-table-version", e.to_string()),
+            other => ApiError::invalid_field("version", other.to_string()),
+        }
+    }
+}
+
+/// A version's export, if the caller may still read its files, and its columns.
+async fn version_export(
+    state: &AppState,
+    caller: &Caller,
+    version: &ShareVersion,
+) -> ApiResult<(ExportJob, Vec<OutputColumn>)> {
+    let job = exports::get(&state.pool, caller, version.export_id).await?;
+    exports::ensure_published(caller, &job).map_err(|e| match e {
+        ExportError::Gone(state) => ApiError::invalid_field(
+            "version",
+            format!("version {} is no longer retained: its export is {}", version.version, state.as_str()),
+        ),
+        ExportError::RowFilterChanged | ExportError::ColumnPolicyChanged => ApiError::new(
+            StatusCode::FORBIDDEN,
+            "view-changed",
+            format!(
+                "{e} Version {} was cut before that: a newer full Parquet export makes the next version",
+                version.version
+            ),
+        ),
+        other => other.into(),
+    })?;
+    let columns = serde_json::from_value(job.columns.clone()).map_err(anyhow::Error::from)?;
+    Ok((job, columns))
+}
+
+fn with_version(mut response: Response, version: i64) -> Response {
+    response.headers_mut().insert(TABLE_VERSION, HeaderValue::from(version));
+    response
+}
+
+fn ndjson(body: String, version: i64) -> Response {
+    with_version(([(CONTENT_TYPE, NDJSON)], body).into_response(), version)
+}
+
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct VersionParams {
+    /// The oldest version whose snapshot is at or after this time (ISO 8601) instead of the latest.
+    #[serde(rename = "startingTimestamp")]
+    starting_timestamp: Option<String>,
+}
+
+/// The table's latest version (or the first at or after `startingTimestamp`) in the
+/// `Delta-Table-Version` header.
+#[utoipa::path(get, path = "/delta-sharing/shares/{share}/schemas/{schema}/tables/{table}/version", tag = "sharing",
+    security(("bearer" = [])),
+    params(("share" = String, Path), ("schema" = String, Path), ("table" = String, Path), VersionParams),
+    responses((status = 200, description = "the version, in `Delta-Table-Version`"),
+        (status = 404, description = "RESOURCE_DOES_NOT_EXIST: no such table, or no version published yet")))]
+async fn table_version(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(path): Path<(String, String, String)>,
+    Query(params): Query<VersionParams>,
+) -> ApiResult<Response> {
+    let share = Share::of(&caller);
+    let table = table(&share, &path)?;
+    let (tenant, principal) = (caller.tenant.id.as_str(), caller.principal.id.as_str());
+    let version = match params.starting_timestamp.as_deref() {
+        Some(text) => {
+            let at = timestamp_param("startingTimestamp", text)?;
+            crate::sharing::version_at_or_after(&state.pool, tenant, principal, table.as_str(), at).await?
+        }
+        None => crate::sharing::resolve(&state.pool, tenant, principal, table.as_str(), Which::Latest).await?,
+    };
+    Ok(with_version(StatusCode::OK.into_response(), version.version))
+}
+
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct MetadataParams {
+    /// A version instead of the latest.
+    #[param(minimum = 0)]
+    version: Option<i64>,
+    /// The newest version at or before this time (ISO 8601) instead of the latest.
+    timestamp: Option<String>,
+}
+
+/// The protocol line and the version's `metaData` (its schema), as NDJSON.
+#[utoipa::path(get, path = "/delta-sharing/shares/{share}/schemas/{schema}/tables/{table}/metadata", tag = "sharing",
+    security(("bearer" = [])),
+    params(("share" = String, Path), ("schema" = String, Path), ("table" = String, Path), MetadataParams),
+    responses((status = 200, description = "NDJSON: protocol, metaData", content_type = "application/x-ndjson"),
+        (status = 404, description = "RESOURCE_DOES_NOT_EXIST")))]
+async fn table_metadata(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(path): Path<(String, String, String)>,
+    Query(params): Query<MetadataParams>,
+) -> ApiResult<Response> {
+    let share = Share::of(&caller);
+    let table = table(&share, &path)?;
+    let which = which(params.version, params.timestamp.as_deref())?;
+    let (tenant, principal) = (caller.tenant.id.as_str(), caller.principal.id.as_str());
+    let version = crate::sharing::resolve(&state.pool, tenant, principal, table.as_str(), which).await?;
+    let (job, columns) = version_export(&state, &caller, &version).await?;
+    let metadata = metadata(&share, table, &version, &job, &columns);
+    Ok(ndjson(metadata.lines(), version.version))
+}
+
+fn metadata(
+    share: &Share,
+    table: &DatasetName,
+    version: &ShareVersion,
+    job: &ExportJob,
+    columns: &[OutputColumn],
+) -> TableMetadata {
+    TableMetadata::new(
+        share.table_id(table),
+        table.to_string(),
+        columns,
+        version.version,
+        job.bytes_done,
+        i64::from(job.shards_done),
+    )
+}
+
+/// `POST …/query`: every field optional. Hints only let the server leave files out; the rows
+/// a client keeps never depend on them.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QueryRequest {
+    /// SQL-like predicates (the protocol's older hints): accepted, not used.
+    #[serde(rename = "predicateHints")]
+    _predicate_hints: Option<Vec<String>>,
+    /// A JSON predicate tree (text): files whose statistics prove no row matches are left out.
+    json_predicate_hints: Option<String>,
+    /// Enough files for at least this many rows are returned (all when absent).
+    #[schema(minimum = 0)]
+    limit_hint: Option<i64>,
+    #[schema(minimum = 0)]
+    version: Option<i64>,
+    timestamp: Option<String>,
+    /// Not supported: ask `GET …/changes` for what changed between versions.
+    #[schema(minimum = 0)]
+    starting_version: Option<i64>,
+    #[schema(minimum = 0)]
+    ending_version: Option<i64>,
+}
+
+/// The version's files: protocol, metaData, then one `file` line per Parquet file, each with a
+/// signed link (`url`, `Range` supported, valid until `expirationTimestamp`) and statistics.
+#[utoipa::path(post, path = "/delta-sharing/shares/{share}/schemas/{schema}/tables/{table}/query", tag = "sharing",
+    security(("bearer" = [])),
+    params(("share" = String, Path), ("schema" = String, Path), ("table" = String, Path)),
+    request_body = Option<QueryRequest>,
+    responses((status = 200, description = "NDJSON: protocol, metaData, file…", content_type = "application/x-ndjson"),
+        (status = 404, description = "RESOURCE_DOES_NOT_EXIST")))]
+async fn query_table(
+    State(state): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Path(path): Path<(String, String, String)>,
+    body: axum::body::Bytes,
+) -> ApiResult<Response> {
+    let share = Share::of(&caller);
+    let table = table(&share, &path)?;
+    let (request, hint) = query_request(&body)?;
+    if request.starting_version.is_some() || request.ending_version.is_some() {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "unsupported-operation",
+            "startingVersion/endingVersion in a query are not supported: GET …/changes gives what changed between versions",
+        )
+        .with("field", "startingVersion"));
+    }
+    let which = which(request.version, request.timestamp.as_deref())?;
+    let (tenant, principal) = (caller.tenant.id.as_str(), caller.principal.id.as_str());
+    let version = crate::sharing::resolve(&state.pool, tenant, principal, table.as_str(), which).await?;
+    let (job, columns) = version_export(&state, &caller, &version).await?;
+    let shards = exports::store::shards::all(&state.pool, job.id).await?;
+    let mut body = metadata(&share, table, &version, &job, &columns).lines();
+    let base = public_base(&state, &headers)?;
+    let now = state.clock.unix_seconds();
+    let expires_ms = (now + state.link_ttl.as_secs()) as i64 * 1000;
+    let timestamp_ms = (version.snapshot_at.unix_timestamp_nanos() / 1_000_000) as i64;
+    let mut rows = 0i64;
+    for shard in &shards {
+        if request.limit_hint.is_some_and(|limit| rows >= limit) {
+            break;
+        }
+        let stats = shard.stats.as_ref().map(|s| s.0.as_slice());
+        if hint.as_ref().is_some_and(|hint| !predicate::may_match(hint, stats.unwrap_or_default())) {
+            continue;
+        }
+        rows += shard.rows;
+        let n = shard.shard_index as u32;
+        let token = state.links.sign(tenant, principal, job.id, &Object::Shard(n).name(), now, state.link_ttl);
+        let file = FileAction {
+            url: format!("{base}/v1/exports/{}/shards/{n}?token={token}", job.id),
+            id: shard.sha256.clone(),
+            partition_values: Default::default(),
+            size: shard.bytes,
+            stats: file_stats(shard.rows, stats, &columns),
+            version: version.version,
+            timestamp: timestamp_ms,
+            expiration_timestamp: expires_ms,
+        };
+        body.push_str(&file.line());
+    }
+    Ok(ndjson(body, version.version))
+}
+
+/// The body of a query (empty means `{}`) and its predicate tree, checked for form.
+fn query_request(body: &[u8]) -> ApiResult<(QueryRequest, Option<Value>)> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok((QueryRequest::default(), None));
+    }
+    let request: QueryRequest = serde_json::from_slice(body).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-body",
+            match e.classify() {
+                serde_json::error::Category::Data => "a field of the query body has the wrong type",
+                _ => "the query body is not valid JSON",
+            },
+        )
+        .with("field", "body")
+    })?;
+    if request.limit_hint.is_some_and(|n| n < 0) {
+        return Err(ApiError::invalid_field("limitHint", "must be 0 or more"));
+    }
+    let hint = match request.json_predicate_hints.as_deref() {
+        None => None,
+        Some(text) => {
+            let tree: Value = serde_json::from_str(text).map_err(|_| {
+                ApiError::invalid_field("jsonPredicateHints", "must be the text of a JSON predicate tree")
+            })?;
+            predicate::check(&tree).map_err(|e| ApiError::invalid_field("jsonPredicateHints", e))?;
+            Some(tree)
+        }
+    };
+    Ok((request, hint))
+}
+
+/// `GET …/changes`: not yet served (see docs/contract.md, "Delta Sharing").
+#[utoipa::path(get, path = "/delta-sharing/shares/{share}/schemas/{schema}/tables/{table}/changes", tag = "sharing",
+    security(("bearer" = [])),
+    params(("share" = String, Path), ("schema" = String, Path), ("table" = String, Path)),
+    responses((status = 400, description = "UNSUPPORTED_OPERATION: the change data feed is not served yet"),
+        (status = 404, description = "RESOURCE_DOES_NOT_EXIST")))]
+async fn table_changes(caller: Caller, Path(path): Path<(String, String, String)>) -> ApiResult<Response> {
+    let share = Share::of(&caller);
+    table(&share, &path)?;
+    Err(ApiError::new(
+        StatusCode::BAD_REQUEST,
+        "unsupported-operation",
+        "the change data feed of shared tables is not served yet: read changes with GET /v1/datasets/{dataset}/changes",
+    ))
+}
+
+// ---- the profile ----------------------------------------------------------------------------
+
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Profile {
+    share_credentials_version: u32,
+    endpoint: String,
+    bearer_token: String,
+    /// When the token expires (ISO 8601).
+    expiration_time: String,
+}
+
+/// A Delta Sharing profile file for the caller's own share, carrying the bearer token of this
+/// request (no new credential is made: it expires when that token does).
+#[utoipa::path(get, path = "/v1/sharing/profile", tag = "sharing", security(("bearer" = [])),
+    responses((status = 200, body = Profile)))]
+async fn profile(State(state): State<AppState>, _caller: Caller, headers: HeaderMap) -> ApiResult<axum::Json<Profile>> {
+    let token = bearer_token_of(&headers).ok_or_else(|| ApiError::unauthorized(&crate::auth::AuthError::Missing))?;
+    let expires = crate::auth::expiry_of_verified(token)
+        .and_then(|exp| OffsetDateTime::from_unix_timestamp(exp as i64).ok())
+        .and_then(|at| at.format(&Rfc3339).ok())
+        .ok_or_else(|| ApiError::internal(anyhow::anyhow!("a verified token without a readable exp")))?;
+    Ok(axum::Json(Profile {
+        share_credentials_version: 1,
+        endpoint: format!("{}{PREFIX}", public_base(&state, &headers)?),
+        bearer_token: token.to_owned(),
+        expiration_time: expires,
+    }))
+}
+
+/// The API's base URL as clients reach it: `EXPORTD_PUBLIC_URL`, else `http://` and the
+/// request's `Host`.
+fn public_base(state: &AppState, headers: &HeaderMap) -> ApiResult<String> {
+    if let Some(url) = &state.public_url {
+        return Ok(url.as_str().trim_end_matches('/').to_owned());
+    }
+    let host = headers
+        .get(HOST)
+        .and_then(|h| h.to_str().ok())
+        .filter(|h| !h.is_empty() && h.bytes().all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b)));
+    let host = host.ok_or_else(|| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-host",
+            "the request has no usable Host header (or set EXPORTD_PUBLIC_URL)",
+        )
+    })?;
+    Ok(format!("http://{host}"))
+}
+
+// ---- errors ---------------------------------------------------------------------------------
+
+/// The protocol's error body, `{"errorCode", "message"}` as `application/json`, for every problem
+/// a sharing route answers; status and headers (`Retry-After`, `WWW-Authenticate`) are kept.
+async fn as_protocol_error(response: Response) -> Response {
+    let is_problem = response.headers().get(CONTENT_TYPE).is_some_and(|v| v.as_bytes() == b"application/problem+json");
+    if !is_problem {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let problem: Value = match axum::body::to_bytes(body, 64 << 10).await {
+        Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_default(),
+        Err(_) => Value::Null,
+    };
+    let code = problem["code"].as_str().unwrap_or_default();
+    let error_code = match (parts.status.as_u16(), code) {
+        (_, "unsupported-operation") => "UNSUPPORTED_OPERATION",
+        (_, "invalid-body") => "MALFORMED_REQUEST",
+        (400, _) => "INVALID_PARAMETER_VALUE",
+        (401, _) => "UNAUTHENTICATED",
+        (403, _) => "PERMISSION_DENIED",
+        (404, _) => "RESOURCE_DOES_NOT_EXIST",
+        (429, _) => "RESOURCE_EXHAUSTED",
+        (503, _) => "TEMPORARILY_UNAVAILABLE",
+        (500..=599, _) => "INTERNAL_ERROR",
+        _ => "INVALID_PARAMETER_VALUE",
+    };
+    let body = json!({"errorCode": error_code, "message": problem["detail"].as_str().unwrap_or_default()}).to_string();
+    parts.headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json; charset=utf-8"));
+    parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+    Response::from_parts(parts, Body::from(body))
+}

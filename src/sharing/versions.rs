@@ -1,0 +1,162 @@
+//! `share_versions`: which published export is which version of a shared table.
+
+use sqlx::{PgPool, Postgres, Transaction};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+/// One version of a principal's table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShareVersion {
+    pub version: i64,
+    pub export_id: Uuid,
+    /// When the export's snapshot was taken: the version's Delta timestamp.
+    pub snapshot_at: OffsetDateTime,
+}
+
+/// Which version a request asks for.
+#[derive(Debug, Clone, Copy)]
+pub enum Which {
+    Latest,
+    Number(i64),
+    /// The newest version whose snapshot is at or before this time.
+    AsOf(OffsetDateTime),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VersionError {
+    #[error(
+        "no version of this table is published yet: a full Parquet export of the whole dataset (POST /v1/exports) becomes its next version"
+    )]
+    NoVersion,
+    #[error("version {asked} does not exist: the table's latest version is {latest}")]
+    Beyond { asked: i64, latest: i64 },
+    #[error("the table has no version at or before that timestamp")]
+    BeforeFirst,
+    #[error("the table has no version at or after that timestamp")]
+    AfterLast,
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// Makes the export `export_id`, published in `tx`, the next version of its principal's table
+/// when it is one: a full Parquet export of every column and row the principal may see, whose
+/// snapshot is newer than the table's latest version (an export that publishes after a newer
+/// one would take the table back in time: it stays an export only). Returns the version.
+pub async fn record_version(tx: &mut Transaction<'_, Postgres>, export_id: Uuid) -> sqlx::Result<Option<i64>> {
+    let job = sqlx::query!(
+        "SELECT tenant, principal, dataset, created_at FROM export_jobs
+         WHERE id = $1 AND mode = 'full' AND format = 'parquet'
+           AND request->'columns' IS NULL AND coalesce(request->'filter', '{}') = '{}'",
+        export_id,
+    )
+    .fetch_optional(&mut **tx)
+    .await?;
+    let Some(job) = job else { return Ok(None) };
+    // Publications of one table take their numbers one at a time.
+    sqlx::query!(
+        "SELECT pg_advisory_xact_lock(hashtext('exportd.share_versions'), hashtext($1 || '/' || $2 || '/' || $3))",
+        job.tenant,
+        job.principal,
+        job.dataset,
+    )
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query_scalar!(
+        "INSERT INTO share_versions (tenant, principal, dataset, version, export_id, snapshot_at)
+         SELECT $1, $2, $3, coalesce(max(version) + 1, 0), $4, $5 FROM share_versions
+         WHERE tenant = $1 AND principal = $2 AND dataset = $3
+         HAVING coalesce(max(snapshot_at) < $5, true)
+         ON CONFLICT (export_id) DO NOTHING
+         RETURNING version",
+        job.tenant,
+        job.principal,
+        job.dataset,
+        export_id,
+        job.created_at,
+    )
+    .fetch_optional(&mut **tx)
+    .await
+}
+
+/// The version `which` names of `dataset` in `principal`'s share.
+pub async fn resolve(
+    pool: &PgPool,
+    tenant: &str,
+    principal: &str,
+    dataset: &str,
+    which: Which,
+) -> Result<ShareVersion, VersionError> {
+    let (number, as_of) = match which {
+        Which::Latest => (None, None),
+        Which::Number(n) => (Some(n), None),
+        Which::AsOf(at) => (None, Some(at)),
+    };
+    let found = sqlx::query_as!(
+        ShareVersion,
+        "SELECT version, export_id, snapshot_at FROM share_versions
+         WHERE tenant = $1 AND principal = $2 AND dataset = $3
+           AND ($4::bigint IS NULL OR version = $4) AND ($5::timestamptz IS NULL OR snapshot_at <= $5)
+         ORDER BY version DESC LIMIT 1",
+        tenant,
+        principal,
+        dataset,
+        number,
+        as_of,
+    )
+    .fetch_optional(pool)
+    .await?;
+    if let Some(found) = found {
+        return Ok(found);
+    }
+    let latest = resolve_latest(pool, tenant, principal, dataset).await?;
+    Err(match (which, latest) {
+        (_, None) => VersionError::NoVersion,
+        (Which::Number(asked), Some(latest)) => VersionError::Beyond { asked, latest: latest.version },
+        _ => VersionError::BeforeFirst,
+    })
+}
+
+async fn resolve_latest(
+    pool: &PgPool,
+    tenant: &str,
+    principal: &str,
+    dataset: &str,
+) -> sqlx::Result<Option<ShareVersion>> {
+    sqlx::query_as!(
+        ShareVersion,
+        "SELECT version, export_id, snapshot_at FROM share_versions
+         WHERE tenant = $1 AND principal = $2 AND dataset = $3 ORDER BY version DESC LIMIT 1",
+        tenant,
+        principal,
+        dataset,
+    )
+    .fetch_optional(pool)
+    .await
+}
+
+/// The oldest version whose snapshot is at or after `at` (`GET …/version?startingTimestamp=`).
+pub async fn version_at_or_after(
+    pool: &PgPool,
+    tenant: &str,
+    principal: &str,
+    dataset: &str,
+    at: OffsetDateTime,
+) -> Result<ShareVersion, VersionError> {
+    let found = sqlx::query_as!(
+        ShareVersion,
+        "SELECT version, export_id, snapshot_at FROM share_versions
+         WHERE tenant = $1 AND principal = $2 AND dataset = $3 AND snapshot_at >= $4
+         ORDER BY version LIMIT 1",
+        tenant,
+        principal,
+        dataset,
+        at,
+    )
+    .fetch_optional(pool)
+    .await?;
+    match found {
+        Some(found) => Ok(found),
+        None if resolve_latest(pool, tenant, principal, dataset).await?.is_none() => Err(VersionError::NoVersion),
+        None => Err(VersionError::AfterLast),
+    }
+}
