@@ -23,9 +23,12 @@ use super::error::{ApiError, ApiResult};
 use super::extract::{Path, Query, bearer_token_of};
 use super::state::AppState;
 use crate::auth::Caller;
+use crate::exports::ShardRecord;
 use crate::exports::download::Object;
 use crate::exports::{self, ExportError, ExportJob};
-use crate::sharing::{FileAction, Share, ShareVersion, TableMetadata, VersionError, Which, file_stats, predicate};
+use crate::sharing::{
+    FileAction, FileKind, Share, ShareVersion, TableMetadata, VersionError, Which, file_stats, predicate,
+};
 use crate::tenants::DatasetName;
 use crate::writers::OutputColumn;
 
@@ -431,10 +434,7 @@ async fn query_table(
     let (job, columns) = version_export(&state, &caller, &version).await?;
     let shards = exports::store::shards::all(&state.pool, job.id).await?;
     let mut body = metadata(&share, table, &version, &job, &columns).lines();
-    let base = public_base(&state, &headers)?;
-    let now = state.clock.unix_seconds();
-    let expires_ms = (now + state.link_ttl.as_secs()) as i64 * 1000;
-    let timestamp_ms = (version.snapshot_at.unix_timestamp_nanos() / 1_000_000) as i64;
+    let links = FileLinks::new(&state, &caller, &headers)?;
     let mut rows = 0i64;
     for shard in &shards {
         if request.limit_hint.is_some_and(|limit| rows >= limit) {
@@ -445,21 +445,52 @@ async fn query_table(
             continue;
         }
         rows += shard.rows;
+        body.push_str(&links.action(&version, &job, &columns, shard).line(FileKind::File));
+    }
+    Ok(ndjson(body, version.version))
+}
+
+/// A version's timestamp as the protocol has it: milliseconds since the epoch.
+fn millis(version: &ShareVersion) -> i64 {
+    (version.snapshot_at.unix_timestamp_nanos() / 1_000_000) as i64
+}
+
+/// Signs file URLs for the caller: the shard download links, valid for the link lifetime.
+struct FileLinks<'a> {
+    state: &'a AppState,
+    caller: &'a Caller,
+    base: String,
+    now: u64,
+}
+
+impl<'a> FileLinks<'a> {
+    fn new(state: &'a AppState, caller: &'a Caller, headers: &HeaderMap) -> ApiResult<Self> {
+        Ok(FileLinks { state, caller, base: public_base(state, headers)?, now: state.clock.unix_seconds() })
+    }
+
+    /// The action of one shard file of `version`'s export.
+    fn action(
+        &self,
+        version: &ShareVersion,
+        job: &ExportJob,
+        columns: &[OutputColumn],
+        shard: &ShardRecord,
+    ) -> FileAction {
+        let (tenant, principal) = (self.caller.tenant.id.as_str(), self.caller.principal.id.as_str());
         let n = shard.shard_index as u32;
-        let token = state.links.sign(tenant, principal, job.id, &Object::Shard(n).name(), now, state.link_ttl);
-        let file = FileAction {
-            url: format!("{base}/v1/exports/{}/shards/{n}?token={token}", job.id),
+        let ttl = self.state.link_ttl;
+        let token = self.state.links.sign(tenant, principal, job.id, &Object::Shard(n).name(), self.now, ttl);
+        FileAction {
+            url: format!("{}/v1/exports/{}/shards/{n}?token={token}", self.base, job.id),
             id: shard.sha256.clone(),
             partition_values: Default::default(),
             size: shard.bytes,
-            stats: file_stats(shard.rows, stats, &columns),
+            stats: file_stats(shard.rows, shard.stats.as_ref().map(|s| s.0.as_slice()), columns),
             version: version.version,
-            timestamp: timestamp_ms,
-            expiration_timestamp: expires_ms,
-        };
-        body.push_str(&file.line());
+            timestamp: millis(version),
+            expiration_timestamp: (self.now + ttl.as_secs()) as i64 * 1000,
+        }
     }
-    Ok(ndjson(body, version.version))
 }
 
 /// The body of a query (empty means `{}`) and its predicate tree, checked for form.
@@ -494,20 +525,129 @@ fn query_request(body: &[u8]) -> ApiResult<(QueryRequest, Option<Value>)> {
     Ok((request, hint))
 }
 
-/// `GET …/changes`: not yet served (see docs/contract.md, "Delta Sharing").
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ChangesParams {
+    /// The first version whose changes are returned (or `startingTimestamp`).
+    #[serde(rename = "startingVersion")]
+    #[param(minimum = 0)]
+    starting_version: Option<i64>,
+    /// The oldest version at or after this time (ISO 8601) is the first.
+    #[serde(rename = "startingTimestamp")]
+    starting_timestamp: Option<String>,
+    /// The last version (default: the latest; or `endingTimestamp`).
+    #[serde(rename = "endingVersion")]
+    #[param(minimum = 0)]
+    ending_version: Option<i64>,
+    /// The newest version at or before this time (ISO 8601) is the last.
+    #[serde(rename = "endingTimestamp")]
+    ending_timestamp: Option<String>,
+    /// Accepted; every file carries its own version's columns.
+    #[serde(rename = "includeHistoricalMetadata")]
+    _include_historical_metadata: Option<String>,
+}
+
+/// Versions one change request may span: its answer holds every file of the range.
+const MAX_CHANGE_VERSIONS: i64 = 100;
+
+/// What versions `startingVersion..=endingVersion` changed, as files: for version 0 every file
+/// is added; for a later version, the files of the version before that it no longer has are
+/// removed (their rows are deletes) and its files the version before did not have are added
+/// (inserts). A file is known by its sha256, so an unchanged shard is in neither. Applying a
+/// version's deletes, then its inserts, by key to the version before gives it exactly.
 #[utoipa::path(get, path = "/delta-sharing/shares/{share}/schemas/{schema}/tables/{table}/changes", tag = "sharing",
     security(("bearer" = [])),
-    params(("share" = String, Path), ("schema" = String, Path), ("table" = String, Path)),
-    responses((status = 400, description = "UNSUPPORTED_OPERATION: the change data feed is not served yet"),
+    params(("share" = String, Path), ("schema" = String, Path), ("table" = String, Path), ChangesParams),
+    responses((status = 200, description = "NDJSON: protocol, metaData, add/remove…", content_type = "application/x-ndjson"),
         (status = 404, description = "RESOURCE_DOES_NOT_EXIST")))]
-async fn table_changes(caller: Caller, Path(path): Path<(String, String, String)>) -> ApiResult<Response> {
+async fn table_changes(
+    State(state): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Path(path): Path<(String, String, String)>,
+    Query(params): Query<ChangesParams>,
+) -> ApiResult<Response> {
     let share = Share::of(&caller);
-    table(&share, &path)?;
-    Err(ApiError::new(
-        StatusCode::BAD_REQUEST,
-        "unsupported-operation",
-        "the change data feed of shared tables is not served yet: read changes with GET /v1/datasets/{dataset}/changes",
-    ))
+    let table = table(&share, &path)?;
+    let (tenant, principal, dataset) = (caller.tenant.id.as_str(), caller.principal.id.as_str(), table.as_str());
+    let pool = &state.pool;
+    let start = match (params.starting_version, params.starting_timestamp.as_deref()) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid_field(
+                "startingVersion",
+                "give one of startingVersion and startingTimestamp",
+            ));
+        }
+        (Some(v), None) => version_param("startingVersion", v)?,
+        (None, Some(t)) => {
+            let at = timestamp_param("startingTimestamp", t)?;
+            crate::sharing::version_at_or_after(pool, tenant, principal, dataset, at).await?.version
+        }
+        (None, None) => {
+            return Err(ApiError::invalid_field("startingVersion", "give startingVersion or startingTimestamp"));
+        }
+    };
+    let latest = crate::sharing::resolve(pool, tenant, principal, dataset, Which::Latest).await?;
+    let end = match (params.ending_version, params.ending_timestamp.as_deref()) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid_field(
+                "endingVersion",
+                "give at most one of endingVersion and endingTimestamp",
+            ));
+        }
+        (Some(v), None) => version_param("endingVersion", v)?,
+        (None, Some(t)) => {
+            let at = timestamp_param("endingTimestamp", t)?;
+            crate::sharing::resolve(pool, tenant, principal, dataset, Which::AsOf(at)).await?.version
+        }
+        (None, None) => latest.version,
+    };
+    if end > latest.version {
+        return Err(ApiError::invalid_field(
+            "endingVersion",
+            format!("the table's latest version is {}", latest.version),
+        ));
+    }
+    if start > end {
+        return Err(ApiError::invalid_field("startingVersion", "must not be after the ending version"));
+    }
+    if end - start >= MAX_CHANGE_VERSIONS {
+        return Err(ApiError::invalid_field(
+            "endingVersion",
+            format!("one request spans at most {MAX_CHANGE_VERSIONS} versions; ask for the rest next"),
+        ));
+    }
+    let versions = crate::sharing::versions_between(pool, tenant, principal, dataset, (start - 1).max(0), end).await?;
+    let mut files = Vec::with_capacity(versions.len());
+    for version in &versions {
+        let (job, columns) = version_export(&state, &caller, version).await?;
+        let shards = exports::store::shards::all(pool, job.id).await?;
+        files.push((version, job, columns, shards));
+    }
+    let Some((last, job, columns, _)) = files.last() else { return Err(VersionError::NoVersion.into()) };
+    let mut body = metadata(&share, table, last, job, columns).lines();
+    let links = FileLinks::new(&state, &caller, &headers)?;
+    let first = usize::from(start > 0);
+    for index in first..files.len() {
+        let (version, job, columns, shards) = &files[index];
+        let before: Option<&Vec<ShardRecord>> = index.checked_sub(1).map(|i| &files[i].3);
+        let had = |shard: &ShardRecord, in_files: Option<&Vec<ShardRecord>>| {
+            in_files.is_some_and(|files| files.iter().any(|other| other.sha256 == shard.sha256))
+        };
+        if let Some(previous) = index.checked_sub(1).map(|i| &files[i]) {
+            for shard in previous.3.iter().filter(|s| !had(s, Some(shards))) {
+                // The removed file is read at the version before; it is removed by this one.
+                let mut action = links.action(previous.0, &previous.1, &previous.2, shard);
+                action.version = version.version;
+                action.timestamp = millis(version);
+                body.push_str(&action.line(FileKind::Remove));
+            }
+        }
+        for shard in shards.iter().filter(|s| !had(s, before)) {
+            body.push_str(&links.action(version, job, columns, shard).line(FileKind::Add));
+        }
+    }
+    Ok(ndjson(body, end))
 }
 
 // ---- the profile ----------------------------------------------------------------------------

@@ -13,8 +13,8 @@ mod versions;
 
 use sha2::{Digest, Sha256};
 
-pub use protocol::{FileAction, TableMetadata, file_stats, schema_string};
-pub use versions::{ShareVersion, VersionError, Which, record_version, resolve, version_at_or_after};
+pub use protocol::{FileAction, FileKind, TableMetadata, file_stats, schema_string};
+pub use versions::{ShareVersion, VersionError, Which, record_version, resolve, version_at_or_after, versions_between};
 
 use crate::auth::Caller;
 use crate::tenants::DatasetName;

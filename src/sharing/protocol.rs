@@ -89,7 +89,26 @@ impl TableMetadata {
     }
 }
 
-/// `{"file": …}`: one Parquet file of a version, readable at `url` until `expiration_timestamp`.
+/// What a file action says of its file: part of the version (`file`, a query's answer), or, in
+/// a change feed, added (its rows are inserts) or removed (its rows are deletes) by a version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileKind {
+    File,
+    Add,
+    Remove,
+}
+
+impl FileKind {
+    fn name(self) -> &'static str {
+        match self {
+            FileKind::File => "file",
+            FileKind::Add => "add",
+            FileKind::Remove => "remove",
+        }
+    }
+}
+
+/// One Parquet file of a version, readable at `url` until `expiration_timestamp`.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct FileAction {
@@ -106,8 +125,11 @@ pub struct FileAction {
 }
 
 impl FileAction {
-    pub fn line(&self) -> String {
-        format!("{}\n", json!({"file": self}))
+    /// The action's NDJSON line: `{"file": …}`, `{"add": …}` or `{"remove": …}`.
+    pub fn line(&self, kind: FileKind) -> String {
+        let mut action = Map::new();
+        action.insert(kind.name().to_owned(), json!(self));
+        format!("{}\n", Value::Object(action))
     }
 }
 

@@ -134,6 +134,30 @@ async fn resolve_latest(
     .await
 }
 
+/// The versions `from..=to`, oldest first.
+pub async fn versions_between(
+    pool: &PgPool,
+    tenant: &str,
+    principal: &str,
+    dataset: &str,
+    from: i64,
+    to: i64,
+) -> sqlx::Result<Vec<ShareVersion>> {
+    sqlx::query_as!(
+        ShareVersion,
+        "SELECT version, export_id, snapshot_at FROM share_versions
+         WHERE tenant = $1 AND principal = $2 AND dataset = $3 AND version BETWEEN $4 AND $5
+         ORDER BY version",
+        tenant,
+        principal,
+        dataset,
+        from,
+        to,
+    )
+    .fetch_all(pool)
+    .await
+}
+
 /// The oldest version whose snapshot is at or after `at` (`GET …/version?startingTimestamp=`).
 pub async fn version_at_or_after(
     pool: &PgPool,

@@ -107,6 +107,8 @@ async fn the_official_client_reads_exactly_the_partners_versions(pool: PgPool) {
             "loads": [{"table": "zenpartner.acme.tickets", "version": null, "key": "id", "expected": v1},
                       {"table": "zenpartner.acme.tickets", "version": 1, "key": "id", "expected": v1},
                       {"table": "zenpartner.acme.tickets", "version": 0, "key": "id", "expected": v0}],
+            "changes": [{"table": "zenpartner.acme.tickets", "start": 1, "end": 1, "key": "id", "base": v0, "expected": v1},
+                        {"table": "zenpartner.acme.tickets", "start": 0, "end": 1, "key": "id", "base": [], "expected": v1}],
             "missing": ["zenpartner.acme.contacts", "alice.acme.tickets", "zenpartner.globex.tickets"]}),
         // The admin's share holds every dataset, all rows; contacts has no version yet.
         json!({"profile": admin_path, "tables": ["alice.acme.contacts", "alice.acme.tickets"],
@@ -158,6 +160,8 @@ async fn listings_versions_files_and_errors_follow_the_protocol(pool: PgPool) {
     let version = app.get(Some(&zen), &format!("{TABLE}/version")).await;
     assert_eq!(version.status(), 200);
     assert_eq!(version.headers()["delta-table-version"], "0");
+    let head = app.client.head(app.url(&format!("{TABLE}/version"))).bearer_auth(&zen).send().await.unwrap();
+    assert_eq!((head.status().as_u16(), &head.headers()["delta-table-version"]), (200, &"0".parse().unwrap()));
 
     let lines = ndjson(query(&app, &zen, &json!({})).await).await;
     assert_eq!(lines[0], json!({"protocol": {"minReaderVersion": 1}}));
@@ -231,7 +235,12 @@ async fn listings_versions_files_and_errors_follow_the_protocol(pool: PgPool) {
         (query(&app, &zen, &json!({"jsonPredicateHints": "{\"op\": \"equal\"}"})).await, "INVALID_PARAMETER_VALUE"),
         (query(&app, &zen, &json!({"limitHint": "ten"})).await, "MALFORMED_REQUEST"),
         (query(&app, &zen, &json!({"startingVersion": 0})).await, "UNSUPPORTED_OPERATION"),
-        (app.get(Some(&zen), &format!("{TABLE}/changes?startingVersion=0")).await, "UNSUPPORTED_OPERATION"),
+        (app.get(Some(&zen), &format!("{TABLE}/changes")).await, "INVALID_PARAMETER_VALUE"),
+        (app.get(Some(&zen), &format!("{TABLE}/changes?startingVersion=1")).await, "INVALID_PARAMETER_VALUE"),
+        (
+            app.get(Some(&zen), &format!("{TABLE}/changes?startingVersion=0&endingVersion=3")).await,
+            "INVALID_PARAMETER_VALUE",
+        ),
         (app.get(None, "/delta-sharing/shares").await, "UNAUTHENTICATED"),
     ];
     for (response, expected) in bad {
@@ -242,6 +251,25 @@ async fn listings_versions_files_and_errors_follow_the_protocol(pool: PgPool) {
     let version = app.get(Some(&zen), &format!("{TABLE}/version")).await;
     assert_eq!(version.headers()["delta-table-version"], "0");
 
+    // A version that changed one row: its changes remove every file of the version before and
+    // add all of its own (each file names its export in its footer, so none is shared yet).
+    let update = json!([{"key": "t-0059", "data": {"subject": "updated", "status": "closed", "region": "emea"}}]);
+    assert_eq!(app.ingest(&admin, "tickets", &update).await.status(), 200);
+    publish_version(&app, &zen).await;
+    let changes = ndjson(app.get(Some(&zen), &format!("{TABLE}/changes?startingVersion=1")).await).await;
+    let actions: Vec<(&str, i64, &str)> = changes[2..]
+        .iter()
+        .map(|line| {
+            let (kind, action) = line.as_object().unwrap().iter().next().unwrap();
+            (kind.as_str(), action["version"].as_i64().unwrap(), action["id"].as_str().unwrap())
+        })
+        .collect();
+    let removed: Vec<&str> = actions.iter().filter(|a| a.0 == "remove").map(|a| a.2).collect();
+    let version_0: Vec<&str> = files.iter().map(|f| f["id"].as_str().unwrap()).collect();
+    assert_eq!(removed, version_0);
+    assert_eq!(actions.iter().filter(|a| a.0 == "add" && a.1 == 1).count(), 4);
+    assert!(actions.iter().all(|a| a.1 == 1));
+
     // A revoked version's files are gone; the number stays taken.
     let revoke = app.client.delete(app.url(&format!("/v1/exports/{id}"))).bearer_auth(&admin).send().await.unwrap();
     assert_eq!(revoke.status(), 200);
@@ -250,5 +278,8 @@ async fn listings_versions_files_and_errors_follow_the_protocol(pool: PgPool) {
     assert!(message.contains("no longer retained"), "{message}");
     publish_version(&app, &zen).await;
     let version = app.get(Some(&zen), &format!("{TABLE}/version")).await;
-    assert_eq!(version.headers()["delta-table-version"], "1");
+    assert_eq!(version.headers()["delta-table-version"], "2");
+    let (status, _, message) =
+        protocol_error(app.get(Some(&zen), &format!("{TABLE}/changes?startingVersion=1")).await).await;
+    assert_eq!(status, 400, "version 1's changes need version 0's files: {message}");
 }

@@ -6,7 +6,12 @@ Usage: client.py PLAN, where PLAN is a JSON file:
    "tables": ["share.schema.table", ...],            # exactly what list_all_tables() must give
    "loads": [{"table": "share.schema.table", "version": null | N, "key": "id",
               "expected": ["<parquet file>", ...]}],  # the rows load_as_pandas must return
+   "changes": [{"table": "share.schema.table", "start": A, "end": B, "key": "id",
+                "base": ["<parquet file>", ...],       # version A-1 (empty when A = 0)
+                "expected": ["<parquet file>", ...]}], # version B
    "missing": ["share.schema.table", ...]}           # tables whose load must fail
+A change check applies load_table_changes_as_pandas(start, end) to the base, version by version
+(deletes, then inserts, by key), and compares the result with version B.
 Prints what it checked; exits 1 with the first difference.
 """
 
@@ -50,6 +55,9 @@ def main():
             fail(f"{load['table']} v{version}: {e}")
         print(f"ok: load_as_pandas({load['table']}, version={version}) = the export's {len(expected)} rows, typed ({dict(got.dtypes.astype(str))})")
 
+    for check in plan.get("changes", []):
+        check_changes(profile, check)
+
     for table in plan.get("missing", []):
         try:
             delta_sharing.load_as_pandas(f"{profile}#{table}")
@@ -59,6 +67,48 @@ def main():
             print(f"ok: {table} is refused as missing")
             continue
         fail(f"{table} loaded, but it is not in the share")
+
+
+def records(frame, key):
+    """The rows of a frame by key, as plain values (NaN and None alike)."""
+    frame = frame.astype(object).where(frame.notna(), None)
+    return {row[key]: row for row in frame.to_dict("records")}
+
+
+def read(paths):
+    return pd.concat([pq.read_table(path).to_pandas() for path in paths], ignore_index=True) if paths else None
+
+
+def check_changes(profile, check):
+    table, key = check["table"], check["key"]
+    changes = delta_sharing.load_table_changes_as_pandas(
+        f"{profile}#{table}", starting_version=check["start"], ending_version=check["end"])
+    for column in ("_change_type", "_commit_version", "_commit_timestamp"):
+        if column not in changes.columns:
+            fail(f"{table} changes: no {column} column ({list(changes.columns)})")
+    expected = read(check["expected"])
+    base = read(check["base"])
+    rows = records(base, key) if base is not None else {}
+    columns = list(expected.columns)
+    kinds = {}
+    for version in sorted(changes["_commit_version"].unique()):
+        batch = changes[changes["_commit_version"] == version]
+        for kind in batch["_change_type"].unique():
+            kinds[kind] = kinds.get(kind, 0) + int((batch["_change_type"] == kind).sum())
+        for row in records(batch[batch["_change_type"].isin(["delete", "update_preimage"])], key).values():
+            rows.pop(row[key], None)
+        for row in records(batch[batch["_change_type"].isin(["insert", "update_postimage"])], key).values():
+            rows[row[key]] = {c: row[c] for c in columns}
+    got = {k: {c: v[c] for c in columns} for k, v in rows.items()}
+    want = {k: {c: v[c] for c in columns} for k, v in records(expected, key).items()}
+    if got != want:
+        missing = sorted(set(want) - set(got))[:5]
+        extra = sorted(set(got) - set(want))[:5]
+        differ = sorted(k for k in set(got) & set(want) if got[k] != want[k])[:5]
+        fail(f"{table} changes {check['start']}..{check['end']} applied to the base differ from version "
+             f"{check['end']}: missing {missing}, extra {extra}, different {differ}")
+    print(f"ok: load_table_changes_as_pandas({table}, {check['start']}, {check['end']}) applied to version "
+          f"{check['start'] - 1} gives version {check['end']} ({len(want)} rows; changes {kinds})")
 
 
 if __name__ == "__main__":
