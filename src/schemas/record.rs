@@ -30,11 +30,30 @@ enum Decision {
 /// an error naming the file and field.
 pub async fn register(pool: &PgPool, registry: &Registry, tenants_dir: &Path) -> anyhow::Result<SchemaCatalog> {
     let mut tx = pool.begin().await?;
-    sqlx::query!("SELECT pg_advisory_xact_lock(hashtext('exportd.dataset_schemas'))").execute(&mut *tx).await?;
+    match record_all(&mut tx, registry, tenants_dir).await {
+        Ok(catalog) => {
+            tx.commit().await.context("recording dataset schema versions")?;
+            Ok(catalog)
+        }
+        Err(e) => {
+            // Rolled back now, not when the pool next uses the connection: until then the
+            // advisory lock would stay held and the next process to start would wait on it.
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
+}
+
+async fn record_all(
+    tx: &mut Transaction<'_, Postgres>,
+    registry: &Registry,
+    tenants_dir: &Path,
+) -> anyhow::Result<SchemaCatalog> {
+    sqlx::query!("SELECT pg_advisory_xact_lock(hashtext('exportd.dataset_schemas'))").execute(&mut **tx).await?;
     let mut catalog = SchemaCatalog::new();
     let mut announcements = Vec::new();
     for schema in registry.schemas() {
-        let mut recorded = recorded(&mut tx, schema.name.as_str()).await?;
+        let mut recorded = recorded(tx, schema.name.as_str()).await?;
         let sha256 = schema.sha256();
         let file = tenants_dir.join("datasets").join(format!("{}.toml", schema.name));
         let decision = decide(&recorded, &schema, &sha256).map_err(|(field, message)| ConfigError {
@@ -56,7 +75,7 @@ pub async fn register(pool: &PgPool, registry: &Registry, tenants_dir: &Path) ->
                     change,
                     serde_json::to_value(&changes)?,
                 )
-                .execute(&mut *tx)
+                .execute(&mut **tx)
                 .await?;
                 let previous = recorded.last().map(|r| r.version);
                 recorded.push(Recorded { version, sha256, schema: (*schema).clone() });
@@ -70,9 +89,8 @@ pub async fn register(pool: &PgPool, registry: &Registry, tenants_dir: &Path) ->
     }
     check_pins(registry, &catalog, tenants_dir)?;
     for (dataset, previous, change, changes) in announcements {
-        announce(&mut tx, registry, &catalog[&dataset], previous, change, &changes).await?;
+        announce(tx, registry, &catalog[&dataset], previous, change, &changes).await?;
     }
-    tx.commit().await.context("recording dataset schema versions")?;
     Ok(catalog)
 }
 

@@ -47,7 +47,17 @@ pub struct Server {
 }
 
 impl Drop for Server {
+    /// Stops the server as a supervisor would (SIGTERM), so it closes its database connections
+    /// before the test's database is dropped (a SIGKILLed process's backends can outlive it and
+    /// keep the drop from happening); SIGKILL after a few seconds.
     fn drop(&mut self) {
+        if self.child.try_wait().is_ok_and(|status| status.is_none()) {
+            let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+            let deadline = Instant::now() + Duration::from_secs(3);
+            while Instant::now() < deadline && self.child.try_wait().is_ok_and(|status| status.is_none()) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
