@@ -627,23 +627,25 @@ async fn table_changes(
     let Some((last, job, columns, _)) = files.last() else { return Err(VersionError::NoVersion.into()) };
     let mut body = metadata(&share, table, last, job, columns).lines();
     let links = FileLinks::new(&state, &caller, &headers)?;
+    let ids = |shards: &[ShardRecord]| -> std::collections::HashSet<String> {
+        shards.iter().map(|s| s.sha256.clone()).collect()
+    };
+    // Version `start` is compared with the one before it (fetched above); version 0 with nothing.
     let first = usize::from(start > 0);
     for index in first..files.len() {
         let (version, job, columns, shards) = &files[index];
-        let before: Option<&Vec<ShardRecord>> = index.checked_sub(1).map(|i| &files[i].3);
-        let had = |shard: &ShardRecord, in_files: Option<&Vec<ShardRecord>>| {
-            in_files.is_some_and(|files| files.iter().any(|other| other.sha256 == shard.sha256))
-        };
-        if let Some(previous) = index.checked_sub(1).map(|i| &files[i]) {
-            for shard in previous.3.iter().filter(|s| !had(s, Some(shards))) {
+        let previous = index.checked_sub(1).map(|i| &files[i]);
+        let (now_has, had) = (ids(shards), previous.map(|p| ids(&p.3)).unwrap_or_default());
+        if let Some((previous_version, previous_job, previous_columns, previous_shards)) = previous {
+            for shard in previous_shards.iter().filter(|s| !now_has.contains(&s.sha256)) {
                 // The removed file is read at the version before; it is removed by this one.
-                let mut action = links.action(previous.0, &previous.1, &previous.2, shard);
+                let mut action = links.action(previous_version, previous_job, previous_columns, shard);
                 action.version = version.version;
                 action.timestamp = millis(version);
                 body.push_str(&action.line(FileKind::Remove));
             }
         }
-        for shard in shards.iter().filter(|s| !had(s, before)) {
+        for shard in shards.iter().filter(|s| !had.contains(&s.sha256)) {
             body.push_str(&links.action(version, job, columns, shard).line(FileKind::Add));
         }
     }
