@@ -11,6 +11,8 @@ pub enum Object {
     /// The whole export as one gzip file.
     File,
     Shard(u32),
+    /// A table version's change file (Delta Sharing `cdf`).
+    Changes,
 }
 
 impl Object {
@@ -19,6 +21,16 @@ impl Object {
         match self {
             Object::File => "file".to_owned(),
             Object::Shard(n) => format!("shard-{n}"),
+            Object::Changes => "changes".to_owned(),
+        }
+    }
+
+    /// Its path under `/v1/exports/{id}/`.
+    pub fn path(self) -> String {
+        match self {
+            Object::File => "file".to_owned(),
+            Object::Shard(n) => format!("shards/{n}"),
+            Object::Changes => "changes-file".to_owned(),
         }
     }
 }
@@ -54,6 +66,13 @@ pub async fn open(pool: &sqlx::PgPool, caller: &Caller, id: Uuid, object: Object
         Object::Shard(n) => {
             let shard = shards.get(n as usize).ok_or(ExportError::NotFound)?;
             (Layout::shard(shard), shard.sha256.clone(), format!("{}-{}-shard-{n:05}.{extension}", job.dataset, job.id))
+        }
+        Object::Changes => {
+            let file = crate::sharing::changes::of_export(pool, id).await?.ok_or(ExportError::NotFound)?;
+            let key = crate::storage::ObjectKey::parse(&file.object_key)
+                .expect("object keys are validated before they are stored");
+            let layout = Layout::object(key, file.bytes as u64);
+            (layout, file.sha256, format!("{}-{}-changes-from-v{}.parquet", job.dataset, job.id, file.from_version))
         }
     };
     Ok(Download { etag: format!("\"{sha256}\""), job, object, layout, filename })

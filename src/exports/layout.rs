@@ -83,7 +83,12 @@ pub struct Layout {
 
 impl Layout {
     pub fn shard(shard: &ShardRecord) -> Layout {
-        Layout { segments: vec![Segment::Object { key: shard.key(), offset: 0, len: shard.bytes as u64 }] }
+        Layout::object(shard.key(), shard.bytes as u64)
+    }
+
+    /// One stored object of `len` bytes, whole.
+    pub fn object(key: ObjectKey, len: u64) -> Layout {
+        Layout { segments: vec![Segment::Object { key, offset: 0, len }] }
     }
 
     /// The whole export as one gzip member: shard 0 up to the end of its body, every other

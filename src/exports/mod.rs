@@ -19,7 +19,9 @@ use uuid::Uuid;
 pub use incremental::{FeedContext, store_cursor};
 pub use layout::{Layout, Segment, ShardRecord};
 pub use manifest::{FileFacts, MANIFEST_VERSION, Manifest, ManifestFile, ManifestShard, shard_name, shard_spec};
-pub use request::{DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode, OP_COLUMN, with_op};
+pub use request::{
+    DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode, OP_COLUMN, with_leading_field, with_op,
+};
 pub use state::ExportState;
 use store::jobs::Inserted;
 
@@ -425,11 +427,15 @@ pub struct FileOwner<'a>(pub &'a PgPool);
 impl crate::storage::lifecycle::Owner for FileOwner<'_> {
     async fn in_use(&self, tenant: &str, id: Uuid) -> sqlx::Result<Option<crate::storage::lifecycle::InUse>> {
         let Some(state) = store::jobs::state(self.0, tenant, id).await? else { return Ok(None) };
-        let referenced = store::shards::object_keys(self.0, id).await?;
+        let mut referenced = store::shards::object_keys(self.0, id).await?;
+        referenced.extend(crate::sharing::changes::of_export(self.0, id).await?.map(|c| c.object_key));
         let writing = if state.is_terminal() {
             Default::default()
         } else {
-            store::shards::attempts_being_written(self.0, id).await?
+            let mut writing = store::shards::attempts_being_written(self.0, id).await?;
+            // A table version's change file is written just before it publishes.
+            writing.insert(crate::sharing::changes::CHANGES_DIR.to_owned());
+            writing
         };
         Ok(Some(crate::storage::lifecycle::InUse { referenced, writing }))
     }

@@ -18,11 +18,17 @@ pub const MAX_SHARD_ROWS: u32 = 1_000_000;
 
 /// The record's JSON object with the `_op` field first.
 pub fn with_op(op: &str, data: &str) -> String {
+    with_leading_field(OP_COLUMN, op, data)
+}
+
+/// The record's JSON object with a string field `name` = `value` first (both plain names,
+/// nothing to escape).
+pub fn with_leading_field(name: &str, value: &str, data: &str) -> String {
     let rest = data.trim_start().strip_prefix('{').unwrap_or("}").trim_start();
     if rest.starts_with('}') {
-        format!("{{\"{OP_COLUMN}\":\"{op}\"}}")
+        format!("{{\"{name}\":\"{value}\"}}")
     } else {
-        format!("{{\"{OP_COLUMN}\":\"{op}\",{rest}")
+        format!("{{\"{name}\":\"{value}\",{rest}")
     }
 }
 

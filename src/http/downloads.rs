@@ -32,7 +32,10 @@ use crate::quota;
 use crate::storage::{ArtifactStore, StoreError};
 
 pub fn router() -> OpenApiRouter<AppState> {
-    OpenApiRouter::new().routes(routes!(download_file)).routes(routes!(download_shard))
+    OpenApiRouter::new()
+        .routes(routes!(download_file))
+        .routes(routes!(download_shard))
+        .routes(routes!(download_changes))
 }
 
 #[derive(Deserialize, IntoParams)]
@@ -76,6 +79,26 @@ async fn download_shard(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
 ) -> ApiResult<Response> {
     serve(&state, &id, Object::Shard(n), query.token.as_deref(), &method, &headers, peer).await
+}
+
+/// The change file of a table version: its rows changed since the version before, with
+/// `_change_type` (Delta Sharing `cdf` files link here).
+#[utoipa::path(get, path = "/v1/exports/{id}/changes-file", tag = "downloads",
+    params(("id" = String, Path), LinkQuery),
+    responses((status = 200, description = "the Parquet change file"), (status = 206, description = "a range of it"),
+        (status = 403, description = "bad, expired or foreign link"),
+        (status = 404, description = "absent, or the export is not a table version with a change file"),
+        (status = 409, description = "not published yet"),
+        (status = 410, description = "gone"), (status = 416, description = "range not satisfiable")))]
+async fn download_changes(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Query(query): Query<LinkQuery>,
+    method: Method,
+    headers: HeaderMap,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+) -> ApiResult<Response> {
+    serve(&state, &id, Object::Changes, query.token.as_deref(), &method, &headers, peer).await
 }
 
 /// Authorize, find the object, decide the range; then (GET) take a download slot, read the

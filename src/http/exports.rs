@@ -270,11 +270,7 @@ fn sign_links(state: &AppState, caller: &Caller, job: &ExportJob, from: u32) -> 
     let sign = |object: Object| {
         let (tenant, principal) = (caller.tenant.id.as_str(), caller.principal.id.as_str());
         let token = state.links.sign(tenant, principal, job.id, &object.name(), now, state.link_ttl);
-        let path = match object {
-            Object::File => "file".to_owned(),
-            Object::Shard(n) => format!("shards/{n}"),
-        };
-        format!("/v1/exports/{}/{path}?token={token}", job.id)
+        format!("/v1/exports/{}/{}?token={token}", job.id, object.path())
     };
     let total = job.shards_done.max(0) as u32;
     let until = from.saturating_add(SHARD_LINKS_PER_PAGE).min(total);

@@ -5,6 +5,8 @@
 //! Handlers answer with [`ApiError`] like every other route; one layer turns those problems
 //! into the protocol's `{"errorCode", "message"}` bodies (see [`as_protocol_error`]).
 
+use std::collections::HashSet;
+
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::header::{CONTENT_TYPE, HOST};
@@ -27,7 +29,7 @@ use crate::exports::ShardRecord;
 use crate::exports::download::Object;
 use crate::exports::{self, ExportError, ExportJob};
 use crate::sharing::{
-    FileAction, FileKind, Share, ShareVersion, TableMetadata, VersionError, Which, file_stats, predicate,
+    ChangeFile, FileAction, FileKind, Share, ShareVersion, TableMetadata, VersionError, Which, file_stats, predicate,
 };
 use crate::tenants::DatasetName;
 use crate::writers::OutputColumn;
@@ -476,16 +478,34 @@ impl<'a> FileLinks<'a> {
         columns: &[OutputColumn],
         shard: &ShardRecord,
     ) -> FileAction {
+        let stats = file_stats(shard.rows, shard.stats.as_ref().map(|s| s.0.as_slice()), columns);
+        let object = Object::Shard(shard.shard_index as u32);
+        self.file(version, job, object, &shard.sha256, shard.bytes, Some(stats))
+    }
+
+    /// The action of `version`'s change file (a `cdf` line).
+    fn change_action(&self, version: &ShareVersion, job: &ExportJob, file: &ChangeFile) -> FileAction {
+        self.file(version, job, Object::Changes, &file.sha256, file.bytes, None)
+    }
+
+    fn file(
+        &self,
+        version: &ShareVersion,
+        job: &ExportJob,
+        object: Object,
+        sha256: &str,
+        size: i64,
+        stats: Option<String>,
+    ) -> FileAction {
         let (tenant, principal) = (self.caller.tenant.id.as_str(), self.caller.principal.id.as_str());
-        let n = shard.shard_index as u32;
         let ttl = self.state.link_ttl;
-        let token = self.state.links.sign(tenant, principal, job.id, &Object::Shard(n).name(), self.now, ttl);
+        let token = self.state.links.sign(tenant, principal, job.id, &object.name(), self.now, ttl);
         FileAction {
-            url: format!("{}/v1/exports/{}/shards/{n}?token={token}", self.base, job.id),
-            id: shard.sha256.clone(),
+            url: format!("{}/v1/exports/{}/{}?token={token}", self.base, job.id, object.path()),
+            id: sha256.to_owned(),
             partition_values: Default::default(),
-            size: shard.bytes,
-            stats: file_stats(shard.rows, shard.stats.as_ref().map(|s| s.0.as_slice()), columns),
+            size,
+            stats,
             version: version.version,
             timestamp: millis(version),
             expiration_timestamp: (self.now + ttl.as_secs()) as i64 * 1000,
@@ -550,11 +570,13 @@ pub struct ChangesParams {
 /// Versions one change request may span: its answer holds every file of the range.
 const MAX_CHANGE_VERSIONS: i64 = 100;
 
-/// What versions `startingVersion..=endingVersion` changed, as files: for version 0 every file
-/// is added; for a later version, the files of the version before that it no longer has are
-/// removed (their rows are deletes) and its files the version before did not have are added
-/// (inserts). A file is known by its sha256, so an unchanged shard is in neither. Applying a
-/// version's deletes, then its inserts, by key to the version before gives it exactly.
+/// What versions `startingVersion..=endingVersion` changed. Version 0 adds every file. A later
+/// version answers with its change file (`cdf`): its rows changed since the version before, as
+/// `insert`, `update_preimage`/`update_postimage` and `delete`. A version without one (see
+/// `sharing::changes`) answers with files instead: those of the version before that it no
+/// longer has are removed (their rows are deletes) and its own the version before did not have
+/// are added (inserts). Either way, applying a version's changes by key to the version before
+/// gives it exactly.
 #[utoipa::path(get, path = "/delta-sharing/shares/{share}/schemas/{schema}/tables/{table}/changes", tag = "sharing",
     security(("bearer" = [])),
     params(("share" = String, Path), ("schema" = String, Path), ("table" = String, Path), ChangesParams),
@@ -618,35 +640,38 @@ async fn table_changes(
         ));
     }
     let versions = crate::sharing::versions_between(pool, tenant, principal, dataset, (start - 1).max(0), end).await?;
-    let mut files = Vec::with_capacity(versions.len());
-    for version in &versions {
-        let (job, columns) = version_export(&state, &caller, version).await?;
-        let shards = exports::store::shards::all(pool, job.id).await?;
-        files.push((version, job, columns, shards));
-    }
-    let Some((last, job, columns, _)) = files.last() else { return Err(VersionError::NoVersion.into()) };
-    let mut body = metadata(&share, table, last, job, columns).lines();
+    let Some(last) = versions.last() else { return Err(VersionError::NoVersion.into()) };
+    let (job, columns) = version_export(&state, &caller, last).await?;
+    let mut body = metadata(&share, table, last, &job, &columns).lines();
     let links = FileLinks::new(&state, &caller, &headers)?;
-    let ids = |shards: &[ShardRecord]| -> std::collections::HashSet<String> {
-        shards.iter().map(|s| s.sha256.clone()).collect()
-    };
     // Version `start` is compared with the one before it (fetched above); version 0 with nothing.
     let first = usize::from(start > 0);
-    for index in first..files.len() {
-        let (version, job, columns, shards) = &files[index];
-        let previous = index.checked_sub(1).map(|i| &files[i]);
-        let (now_has, had) = (ids(shards), previous.map(|p| ids(&p.3)).unwrap_or_default());
-        if let Some((previous_version, previous_job, previous_columns, previous_shards)) = previous {
-            for shard in previous_shards.iter().filter(|s| !now_has.contains(&s.sha256)) {
+    for index in first..versions.len() {
+        let version = &versions[index];
+        let (job, columns) = version_export(&state, &caller, version).await?;
+        if let Some(file) = version.change_file() {
+            body.push_str(&links.change_action(version, &job, &file).line(FileKind::Cdf));
+            continue;
+        }
+        let shards = exports::store::shards::all(pool, job.id).await?;
+        let mut had = HashSet::new();
+        if let Some(previous) = index.checked_sub(1).map(|i| &versions[i]) {
+            let (previous_job, previous_columns) = version_export(&state, &caller, previous).await?;
+            let now_has: HashSet<&str> = shards.iter().map(|s| s.sha256.as_str()).collect();
+            for shard in exports::store::shards::all(pool, previous_job.id).await? {
+                if now_has.contains(shard.sha256.as_str()) {
+                    had.insert(shard.sha256);
+                    continue;
+                }
                 // The removed file is read at the version before; it is removed by this one.
-                let mut action = links.action(previous_version, previous_job, previous_columns, shard);
+                let mut action = links.action(previous, &previous_job, &previous_columns, &shard);
                 action.version = version.version;
                 action.timestamp = millis(version);
                 body.push_str(&action.line(FileKind::Remove));
             }
         }
         for shard in shards.iter().filter(|s| !had.contains(&s.sha256)) {
-            body.push_str(&links.action(version, job, columns, shard).line(FileKind::Add));
+            body.push_str(&links.action(version, &job, &columns, shard).line(FileKind::Add));
         }
     }
     Ok(ndjson(body, end))

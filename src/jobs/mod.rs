@@ -3,6 +3,7 @@
 //! another export's planned shards. Many processes on many machines share the work through
 //! PostgreSQL alone.
 
+mod change_file;
 mod ending;
 mod heartbeat;
 mod helper;

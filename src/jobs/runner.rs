@@ -462,6 +462,12 @@ impl ClaimedExport {
         };
         let next_cursor = self.plan.next_cursor(&self.deps, &self.job).await?;
         let manifest = self.manifest(&checkpoints, next_cursor, file)?;
+        let changes = super::change_file::write(&self.deps, &self.job, &self.plan).await?;
+        if changes.is_some()
+            && let Some(stop) = self.renew().await?
+        {
+            return Ok(stop);
+        }
         let bytes = manifest.to_bytes();
         let artifact_hours = self.deps.registry.get(&self.job.tenant).map_or(0, |t| t.retention.artifact_hours);
         let publication = Publication {
@@ -475,6 +481,7 @@ impl ClaimedExport {
             artifact_hours,
             // An incremental export advances the principal's stored cursor as it succeeds.
             stored_cursor: self.plan.chain.as_ref().and(manifest.next_cursor.as_deref()),
+            changes: changes.as_ref(),
         };
         match lease::publish(&self.deps.pool, self.lease, &publication).await? {
             Ok(()) => {

@@ -143,7 +143,7 @@ async fn pay(scan: &ScanLimits, tenant: &str, prepaid: u64, rows: u64) -> u64 {
 
 type Encoded = anyhow::Result<(ObjectWriter, ShardDigest)>;
 
-fn spawn_encoder(
+pub(super) fn spawn_encoder(
     store: ArtifactStore,
     key: ObjectKey,
     spec: ShardSpec,

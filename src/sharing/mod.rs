@@ -7,12 +7,14 @@
 //! files are the export's shards, already cut with the principal's row filter, column policy and
 //! schema pin, sealed at the export's snapshot.
 
+pub mod changes;
 pub mod predicate;
 mod protocol;
 mod versions;
 
 use sha2::{Digest, Sha256};
 
+pub use changes::ChangeFile;
 pub use protocol::{FileAction, FileKind, TableMetadata, file_stats, schema_string};
 pub use versions::{ShareVersion, VersionError, Which, record_version, resolve, version_at_or_after, versions_between};
 

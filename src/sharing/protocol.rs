@@ -96,6 +96,8 @@ pub enum FileKind {
     File,
     Add,
     Remove,
+    /// A change file: rows with `_change_type` (a change feed's `cdf`).
+    Cdf,
 }
 
 impl FileKind {
@@ -104,6 +106,7 @@ impl FileKind {
             FileKind::File => "file",
             FileKind::Add => "add",
             FileKind::Remove => "remove",
+            FileKind::Cdf => "cdf",
         }
     }
 }
@@ -116,7 +119,9 @@ pub struct FileAction {
     pub id: String,
     pub partition_values: Map<String, Value>,
     pub size: i64,
-    pub stats: String,
+    /// Data files only (change files have none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stats: Option<String>,
     pub version: i64,
     /// The version's timestamp, milliseconds since the epoch.
     pub timestamp: i64,
@@ -125,7 +130,7 @@ pub struct FileAction {
 }
 
 impl FileAction {
-    /// The action's NDJSON line: `{"file": …}`, `{"add": …}` or `{"remove": …}`.
+    /// The action's NDJSON line: `{"file": …}`, `{"add": …}`, `{"remove": …}` or `{"cdf": …}`.
     pub fn line(&self, kind: FileKind) -> String {
         let mut action = Map::new();
         action.insert(kind.name().to_owned(), json!(self));

@@ -4,6 +4,8 @@ use sqlx::{PgPool, Postgres, Transaction};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use super::changes::ChangeFile;
+
 /// One version of a principal's table.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ShareVersion {
@@ -11,6 +13,25 @@ pub struct ShareVersion {
     pub export_id: Uuid,
     /// When the export's snapshot was taken: the version's Delta timestamp.
     pub snapshot_at: OffsetDateTime,
+    /// Its change file's columns (see [`ShareVersion::change_file`]).
+    pub changes_from: Option<i64>,
+    pub changes_object: Option<String>,
+    pub changes_rows: Option<i64>,
+    pub changes_bytes: Option<i64>,
+    pub changes_sha256: Option<String>,
+}
+
+impl ShareVersion {
+    /// What the version changed since the one before, row by row, if that was written.
+    pub fn change_file(&self) -> Option<ChangeFile> {
+        Some(ChangeFile {
+            from_version: self.changes_from?,
+            object_key: self.changes_object.clone()?,
+            rows: self.changes_rows?,
+            bytes: self.changes_bytes?,
+            sha256: self.changes_sha256.clone()?,
+        })
+    }
 }
 
 /// Which version a request asks for.
@@ -39,14 +60,18 @@ pub enum VersionError {
 }
 
 /// Makes the export `export_id`, published in `tx`, the next version of its principal's table
-/// when it is one: a full Parquet export of every column and row the principal may see, whose
-/// snapshot is newer than the table's latest version (an export that publishes after a newer
-/// one would take the table back in time: it stays an export only). Returns the version.
-pub async fn record_version(tx: &mut Transaction<'_, Postgres>, export_id: Uuid) -> sqlx::Result<Option<i64>> {
+/// when it is one (`exportd_is_table_version`) whose snapshot is newer than the table's latest
+/// version (an export that publishes after a newer one would take the table back in time: it
+/// stays an export only). `changes`, written from the version that was latest when its worker
+/// looked, is recorded with it if that version is still the one before it. Returns the version.
+pub async fn record_version(
+    tx: &mut Transaction<'_, Postgres>,
+    export_id: Uuid,
+    changes: Option<&ChangeFile>,
+) -> sqlx::Result<Option<i64>> {
     let job = sqlx::query!(
         "SELECT tenant, principal, dataset, created_at FROM export_jobs
-         WHERE id = $1 AND mode = 'full' AND format = 'parquet'
-           AND request->'columns' IS NULL AND coalesce(request->'filter', '{}') = '{}'",
+         WHERE id = $1 AND exportd_is_table_version(mode, format, request)",
         export_id,
     )
     .fetch_optional(&mut **tx)
@@ -61,7 +86,7 @@ pub async fn record_version(tx: &mut Transaction<'_, Postgres>, export_id: Uuid)
     )
     .execute(&mut **tx)
     .await?;
-    sqlx::query_scalar!(
+    let version = sqlx::query_scalar!(
         "INSERT INTO share_versions (tenant, principal, dataset, version, export_id, snapshot_at)
          SELECT $1, $2, $3, coalesce(max(version) + 1, 0), $4, $5 FROM share_versions
          WHERE tenant = $1 AND principal = $2 AND dataset = $3
@@ -75,7 +100,25 @@ pub async fn record_version(tx: &mut Transaction<'_, Postgres>, export_id: Uuid)
         job.created_at,
     )
     .fetch_optional(&mut **tx)
-    .await
+    .await?;
+    if let (Some(version), Some(changes)) = (version, changes)
+        && version == changes.from_version + 1
+    {
+        sqlx::query!(
+            "UPDATE share_versions SET changes_from = $2, changes_object = $3, changes_rows = $4,
+                 changes_bytes = $5, changes_sha256 = $6
+             WHERE export_id = $1",
+            export_id,
+            changes.from_version,
+            changes.object_key,
+            changes.rows,
+            changes.bytes,
+            changes.sha256,
+        )
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(version)
 }
 
 /// The version `which` names of `dataset` in `principal`'s share.
@@ -93,7 +136,8 @@ pub async fn resolve(
     };
     let found = sqlx::query_as!(
         ShareVersion,
-        "SELECT version, export_id, snapshot_at FROM share_versions
+        "SELECT version, export_id, snapshot_at, changes_from, changes_object, changes_rows, changes_bytes, changes_sha256
+         FROM share_versions
          WHERE tenant = $1 AND principal = $2 AND dataset = $3
            AND ($4::bigint IS NULL OR version = $4) AND ($5::timestamptz IS NULL OR snapshot_at <= $5)
          ORDER BY version DESC LIMIT 1",
@@ -124,7 +168,8 @@ async fn resolve_latest(
 ) -> sqlx::Result<Option<ShareVersion>> {
     sqlx::query_as!(
         ShareVersion,
-        "SELECT version, export_id, snapshot_at FROM share_versions
+        "SELECT version, export_id, snapshot_at, changes_from, changes_object, changes_rows, changes_bytes, changes_sha256
+         FROM share_versions
          WHERE tenant = $1 AND principal = $2 AND dataset = $3 ORDER BY version DESC LIMIT 1",
         tenant,
         principal,
@@ -145,7 +190,8 @@ pub async fn versions_between(
 ) -> sqlx::Result<Vec<ShareVersion>> {
     sqlx::query_as!(
         ShareVersion,
-        "SELECT version, export_id, snapshot_at FROM share_versions
+        "SELECT version, export_id, snapshot_at, changes_from, changes_object, changes_rows, changes_bytes, changes_sha256
+         FROM share_versions
          WHERE tenant = $1 AND principal = $2 AND dataset = $3 AND version BETWEEN $4 AND $5
          ORDER BY version",
         tenant,
@@ -168,7 +214,8 @@ pub async fn version_at_or_after(
 ) -> Result<ShareVersion, VersionError> {
     let found = sqlx::query_as!(
         ShareVersion,
-        "SELECT version, export_id, snapshot_at FROM share_versions
+        "SELECT version, export_id, snapshot_at, changes_from, changes_object, changes_rows, changes_bytes, changes_sha256
+         FROM share_versions
          WHERE tenant = $1 AND principal = $2 AND dataset = $3 AND snapshot_at >= $4
          ORDER BY version LIMIT 1",
         tenant,

@@ -3,8 +3,10 @@
 //! protocol's listings, versions, file URLs, hints and errors seen from plain HTTP.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
-use crate::common::TestApp;
+use crate::common::processes::{self, spawn_worker, wait_terminal};
+use crate::common::{Backend, TestApp};
 use exportd::jobs::Step;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
@@ -51,6 +53,29 @@ async fn download_shards(app: &TestApp, token: &str, id: &str, dir: &Path) -> Ve
     paths
 }
 
+/// Runs tests/sharing/client.py on `plan` (written into `dir`); fails with its output.
+async fn run_client(dir: &Path, plan: &Value) {
+    let plan_path = dir.join("plan.json");
+    std::fs::write(&plan_path, plan.to_string()).unwrap();
+    let output = tokio::process::Command::new(python())
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sharing/client.py"))
+        .arg(&plan_path)
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("cannot run {} (scripts/test installs delta-sharing): {e}", python().display()));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    println!("{stdout}");
+}
+
+/// The caller's profile file, written into `dir`.
+async fn profile_file(app: &TestApp, token: &str, dir: &Path, name: &str) -> PathBuf {
+    let profile: Value = app.get(Some(token), "/v1/sharing/profile").await.json().await.unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, profile.to_string()).unwrap();
+    path
+}
+
 async fn ndjson(response: reqwest::Response) -> Vec<Value> {
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["content-type"], "application/x-ndjson; charset=utf-8");
@@ -76,12 +101,13 @@ async fn the_official_client_reads_exactly_the_partners_versions(pool: PgPool) {
     let (admin, zen) = (app.token("acme", "alice"), app.token("acme", "zenpartner"));
     assert_eq!(app.ingest(&admin, "tickets", &tickets(0..60)).await.status(), 200);
     let first = publish_version(&app, &zen).await;
-    // Then an update, a delete, an insert and a row moving out of the partner's region.
+    // Then an update, a delete, an insert, and rows moving out of and into the partner's region.
     let changes = json!([
         {"key": "t-0001", "data": {"subject": "changed", "status": "closed", "region": "emea"}},
         {"key": "t-0002", "deleted": true},
         {"key": "t-0100", "data": {"subject": "new", "status": "open", "region": "emea"}},
-        {"key": "t-0004", "data": {"subject": "moved", "status": "open", "region": "amer"}}
+        {"key": "t-0004", "data": {"subject": "moved", "status": "open", "region": "amer"}},
+        {"key": "t-0003", "data": {"subject": "moved in", "status": "open", "region": "emea"}}
     ]);
     assert_eq!(app.ingest(&admin, "tickets", &changes).await.status(), 200);
     let second = publish_version(&app, &zen).await;
@@ -107,8 +133,11 @@ async fn the_official_client_reads_exactly_the_partners_versions(pool: PgPool) {
             "loads": [{"table": "zenpartner.acme.tickets", "version": null, "key": "id", "expected": v1},
                       {"table": "zenpartner.acme.tickets", "version": 1, "key": "id", "expected": v1},
                       {"table": "zenpartner.acme.tickets", "version": 0, "key": "id", "expected": v0}],
-            "changes": [{"table": "zenpartner.acme.tickets", "start": 1, "end": 1, "key": "id", "base": v0, "expected": v1},
-                        {"table": "zenpartner.acme.tickets", "start": 0, "end": 1, "key": "id", "base": [], "expected": v1}],
+            // Version 1's change file: the region moves are a delete and an insert for this partner.
+            "changes": [{"table": "zenpartner.acme.tickets", "start": 1, "end": 1, "key": "id", "base": v0, "expected": v1,
+                         "kinds": {"insert": 2, "delete": 2, "update_preimage": 1, "update_postimage": 1}},
+                        {"table": "zenpartner.acme.tickets", "start": 0, "end": 1, "key": "id", "base": [], "expected": v1,
+                         "kinds": {"insert": 42, "delete": 2, "update_preimage": 1, "update_postimage": 1}}],
             "missing": ["zenpartner.acme.contacts", "alice.acme.tickets", "zenpartner.globex.tickets"]}),
         // The admin's share holds every dataset, all rows; contacts has no version yet.
         json!({"profile": admin_path, "tables": ["alice.acme.contacts", "alice.acme.tickets"],
@@ -116,17 +145,7 @@ async fn the_official_client_reads_exactly_the_partners_versions(pool: PgPool) {
             "missing": ["alice.acme.contacts", "zenpartner.acme.tickets", "alice.globex.ledger"]}),
     ];
     for plan in plans {
-        let plan_path = dir.path().join("plan.json");
-        std::fs::write(&plan_path, plan.to_string()).unwrap();
-        let output = tokio::process::Command::new(python())
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sharing/client.py"))
-            .arg(&plan_path)
-            .output()
-            .await
-            .unwrap_or_else(|e| panic!("cannot run {} (scripts/test installs delta-sharing): {e}", python().display()));
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
-        println!("{stdout}");
+        run_client(dir.path(), &plan).await;
     }
     // What the partner received never held another region's row.
     let rows: i64 = sqlx::query_scalar("SELECT rows_done FROM export_jobs WHERE id = $1::uuid")
@@ -134,7 +153,7 @@ async fn the_official_client_reads_exactly_the_partners_versions(pool: PgPool) {
         .fetch_one(&app.pool)
         .await
         .unwrap();
-    assert_eq!(rows, 39, "emea tickets of 0..60 (40), one deleted, one new, one moved away");
+    assert_eq!(rows, 40, "emea tickets of 0..60 (40), one deleted, one new, one moved away, one moved in");
 }
 
 #[sqlx::test(migrations = "./migrations")]
@@ -251,24 +270,27 @@ async fn listings_versions_files_and_errors_follow_the_protocol(pool: PgPool) {
     let version = app.get(Some(&zen), &format!("{TABLE}/version")).await;
     assert_eq!(version.headers()["delta-table-version"], "0");
 
-    // A version that changed one row: its changes remove every file of the version before and
-    // add all of its own (each file names its export in its footer, so none is shared yet).
+    // A version that changed one row: its changes are one change file holding that row before
+    // and after, readable through its link (by range too), whose id is its sha256.
     let update = json!([{"key": "t-0059", "data": {"subject": "updated", "status": "closed", "region": "emea"}}]);
     assert_eq!(app.ingest(&admin, "tickets", &update).await.status(), 200);
     publish_version(&app, &zen).await;
     let changes = ndjson(app.get(Some(&zen), &format!("{TABLE}/changes?startingVersion=1")).await).await;
-    let actions: Vec<(&str, i64, &str)> = changes[2..]
-        .iter()
-        .map(|line| {
-            let (kind, action) = line.as_object().unwrap().iter().next().unwrap();
-            (kind.as_str(), action["version"].as_i64().unwrap(), action["id"].as_str().unwrap())
-        })
-        .collect();
-    let removed: Vec<&str> = actions.iter().filter(|a| a.0 == "remove").map(|a| a.2).collect();
-    let version_0: Vec<&str> = files.iter().map(|f| f["id"].as_str().unwrap()).collect();
-    assert_eq!(removed, version_0);
-    assert_eq!(actions.iter().filter(|a| a.0 == "add" && a.1 == 1).count(), 4);
-    assert!(actions.iter().all(|a| a.1 == 1));
+    assert_eq!(changes.len(), 3, "protocol, metaData and one cdf line: {changes:?}");
+    let cdf = &changes[2]["cdf"];
+    assert_eq!((cdf["version"].as_i64(), cdf.get("stats")), (Some(1), None));
+    let body = reqwest::get(cdf["url"].as_str().unwrap()).await.unwrap().bytes().await.unwrap();
+    assert_eq!(hex::encode(Sha256::digest(&body)), cdf["id"].as_str().unwrap());
+    assert_eq!(body.len() as u64, cdf["size"].as_u64().unwrap());
+    assert_eq!(&body[..4], b"PAR1");
+    let ranged = app.client.get(cdf["url"].as_str().unwrap()).header("range", "bytes=-8").send().await.unwrap();
+    assert_eq!(ranged.status(), 206);
+    assert_eq!(&ranged.bytes().await.unwrap()[4..], b"PAR1");
+    // Version 0's changes add its files (it has no version before it).
+    let changes =
+        ndjson(app.get(Some(&zen), &format!("{TABLE}/changes?startingVersion=0&endingVersion=0")).await).await;
+    let added: Vec<&str> = changes[2..].iter().map(|line| line["add"]["id"].as_str().unwrap()).collect();
+    assert_eq!(added, files.iter().map(|f| f["id"].as_str().unwrap()).collect::<Vec<_>>());
 
     // A revoked version's files are gone; the number stays taken.
     let revoke = app.client.delete(app.url(&format!("/v1/exports/{id}"))).bearer_auth(&admin).send().await.unwrap();
@@ -280,6 +302,190 @@ async fn listings_versions_files_and_errors_follow_the_protocol(pool: PgPool) {
     let version = app.get(Some(&zen), &format!("{TABLE}/version")).await;
     assert_eq!(version.headers()["delta-table-version"], "2");
     let (status, _, message) =
-        protocol_error(app.get(Some(&zen), &format!("{TABLE}/changes?startingVersion=1")).await).await;
-    assert_eq!(status, 400, "version 1's changes need version 0's files: {message}");
+        protocol_error(app.get(Some(&zen), &format!("{TABLE}/changes?startingVersion=0")).await).await;
+    assert_eq!(status, 400, "version 0's changes are its files: {message}");
+    // Version 1's change file is its own export's: still there.
+    let changes = ndjson(app.get(Some(&zen), &format!("{TABLE}/changes?startingVersion=1")).await).await;
+    assert_eq!(changes[2]["cdf"]["version"], 1);
+}
+
+/// Versions cut while eight writers upsert, move, delete and roll back: every version's change
+/// file, read by the official client, takes the version before it exactly to it (deletes and
+/// region moves included), and so does a run of them.
+#[sqlx::test(migrations = "./migrations")]
+async fn change_files_are_exact_under_concurrent_writers(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let (admin, zen) = (app.token("acme", "alice"), app.token("acme", "zenpartner"));
+    assert_eq!(app.ingest(&admin, "tickets", &tickets(0..200)).await.status(), 200);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writers: Vec<_> = (0..8u64).map(|w| tokio::spawn(write_until(app.pool.clone(), stop.clone(), w))).collect();
+    let mut versions = Vec::new();
+    for _ in 0..4 {
+        // Each export's snapshot is taken while the writers are busy.
+        let before = written(&app.pool).await;
+        while written(&app.pool).await < before + 40 {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        versions.push(publish_version(&app, &zen).await);
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let writes: u64 = futures_util::future::join_all(writers).await.into_iter().map(|w| w.unwrap()).sum();
+    assert!(writes >= 160, "{writes} writes");
+
+    // Versions 1.. answer with their change files (cut from the version before, not rewritten).
+    let changes = ndjson(app.get(Some(&zen), &format!("{TABLE}/changes?startingVersion=1")).await).await;
+    let kinds: Vec<&str> =
+        changes[2..].iter().map(|l| l.as_object().unwrap().keys().next().unwrap().as_str()).collect();
+    assert_eq!(kinds, ["cdf", "cdf", "cdf"]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut files = Vec::new();
+    for id in &versions {
+        files.push(download_shards(&app, &zen, id, dir.path()).await);
+    }
+    let profile = profile_file(&app, &zen, dir.path(), "zen.share").await;
+    let table = "zenpartner.acme.tickets";
+    let check = |start: usize, end: usize| json!({"table": table, "start": start, "end": end, "key": "id", "base": files[start - 1], "expected": files[end]});
+    let plan = json!({"profile": profile, "tables": [table], "loads": [],
+        "changes": [check(1, 1), check(2, 2), check(3, 3), check(1, 3), check(2, 3)]});
+    run_client(dir.path(), &plan).await;
+}
+
+/// How many writes the writers committed (versions of acme's tickets).
+async fn written(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM record_versions WHERE tenant = 'acme' AND dataset = 'tickets'")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// One writer: transactions of one to three writes to tickets t-0000..t-0249 (new subjects,
+/// region moves, deletes, re-creations), one in five rolled back, until `stop`. Returns how many
+/// transactions committed.
+async fn write_until(pool: PgPool, stop: std::sync::Arc<std::sync::atomic::AtomicBool>, writer: u64) -> u64 {
+    let mut state = writer.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut next = move |n: u64| {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 33) % n
+    };
+    let mut committed = 0;
+    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        let mut tx = pool.begin().await.unwrap();
+        for _ in 0..=next(3) {
+            let key = format!("t-{:04}", next(250));
+            if next(6) == 0 {
+                sqlx::query("SELECT exportd_delete('acme', 'tickets', $1)").bind(&key).execute(&mut *tx).await.unwrap();
+            } else {
+                let region = if next(3) == 0 { "amer" } else { "emea" };
+                let data = json!({"subject": format!("w{writer} {}", next(1000)), "status": "open",
+                    "priority": next(5), "region": region, "escalated": next(2) == 0});
+                sqlx::query("SELECT exportd_upsert('acme', 'tickets', $1, $2)")
+                    .bind(&key)
+                    .bind(&data)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+            }
+        }
+        if next(5) == 0 {
+            tx.rollback().await.unwrap();
+        } else {
+            tx.commit().await.unwrap();
+            committed += 1;
+        }
+    }
+    committed
+}
+
+/// A worker killed (SIGKILL) while it writes a version's change file, after every shard: another
+/// publishes the version, and its change file and shards have the bytes of an uninterrupted run.
+#[sqlx::test(migrations = "./migrations")]
+async fn a_version_published_after_a_worker_crash_has_the_bytes_of_an_uninterrupted_run(pool: PgPool) {
+    let app = TestApp::spawn_on(pool, Backend::Local).await;
+    app.seed("initech", "tickets", 300).await;
+    let admin = app.token("initech", "bill");
+    let body = json!({"dataset": "tickets", "format": "parquet", "shard_rows": 100});
+    app.export(&admin, &body).await;
+    assert_eq!(app.drain().await, vec![Step::Published]);
+    // 60 deletes and 240 updates: 540 rows of change file, which take initech's scan budget
+    // (200 rows a second) nearly 3 s.
+    let keys: Vec<String> = sqlx::query_scalar("SELECT key FROM record_heads WHERE tenant = 'initech' ORDER BY key")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    let mut tx = app.pool.begin().await.unwrap();
+    for (i, key) in keys.iter().enumerate() {
+        let statement = if i % 5 == 0 {
+            sqlx::query("SELECT exportd_delete('initech', 'tickets', $1)").bind(key)
+        } else {
+            let data = json!({"subject": format!("changed {i}"), "status": "open"});
+            sqlx::query("SELECT exportd_upsert('initech', 'tickets', $1, $2)").bind(key).bind(data)
+        };
+        statement.execute(&mut *tx).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let id = app.export(&admin, &body).await;
+    let url = processes::database_url(&app.pool).await;
+    let log = app.data_dir.path().join("workers.log");
+    let mut victim = spawn_worker(&url, app.data_dir.path(), &log, 1, "2s");
+    let publishing = || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT plan_complete AND shards_done >= planned_shards FROM export_jobs WHERE id = $1::uuid",
+        )
+        .bind(&id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+    };
+    let started = std::time::Instant::now();
+    while !publishing().await {
+        assert!(started.elapsed() < Duration::from_secs(60), "the shards were not written");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    assert_eq!(app.state(&id).await, "RUNNING", "killed while writing the change file");
+    let mut rescuer = spawn_worker(&url, app.data_dir.path(), &log, 1, "2s");
+    assert_eq!(wait_terminal(&app.pool, &id, Duration::from_secs(60)).await, "SUCCEEDED");
+    rescuer.kill().unwrap();
+    rescuer.wait().unwrap();
+    let resumed = version_hashes(&app.pool, &id).await;
+    assert_eq!(resumed.0.len(), 3);
+    let changes = app.get(Some(&admin), &format!("/v1/exports/{id}/changes-file")).await.bytes().await.unwrap();
+    assert_eq!(hex::encode(Sha256::digest(&changes)), resumed.1, "the stored change file is the recorded one");
+
+    // The same job again, uninterrupted, into an empty store (rewound with triggers off).
+    let mut rewind = app.pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL session_replication_role = replica").execute(&mut *rewind).await.unwrap();
+    sqlx::query("UPDATE export_jobs SET state = 'QUEUED', manifest = NULL, manifest_sha256 = NULL, lease_expires_at = NULL,
+                 shards_done = 0, rows_done = 0, bytes_done = 0, planned_shards = 0, plan_complete = false WHERE id = $1::uuid")
+        .bind(&id).execute(&mut *rewind).await.unwrap();
+    for statement in [
+        "DELETE FROM export_shards WHERE export_id = $1::uuid",
+        "DELETE FROM export_shard_plan WHERE export_id = $1::uuid",
+        "DELETE FROM share_versions WHERE export_id = $1::uuid",
+    ] {
+        sqlx::query(statement).bind(&id).execute(&mut *rewind).await.unwrap();
+    }
+    rewind.commit().await.unwrap();
+    let second_dir = tempfile::tempdir().unwrap();
+    let second_store = crate::common::fresh_store(Backend::Local, &app.pool, second_dir.path()).await;
+    let clean = app.deps_with(app.registry.clone(), second_store);
+    assert_eq!(exportd::jobs::drain(&clean, "clean").await.unwrap(), vec![Step::Published]);
+    assert_eq!(version_hashes(&app.pool, &id).await, resumed, "the same bytes with or without a crash");
+}
+
+/// A version's shard hashes and its change file's.
+async fn version_hashes(pool: &PgPool, id: &str) -> (Vec<String>, String) {
+    let shards = sqlx::query_scalar("SELECT sha256 FROM export_shards WHERE export_id = $1::uuid ORDER BY shard_index")
+        .bind(id)
+        .fetch_all(pool)
+        .await
+        .unwrap();
+    let changes = sqlx::query_scalar("SELECT changes_sha256 FROM share_versions WHERE export_id = $1::uuid")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    (shards, changes)
 }

@@ -8,7 +8,9 @@ Usage: client.py PLAN, where PLAN is a JSON file:
               "expected": ["<parquet file>", ...]}],  # the rows load_as_pandas must return
    "changes": [{"table": "share.schema.table", "start": A, "end": B, "key": "id",
                 "base": ["<parquet file>", ...],       # version A-1 (empty when A = 0)
-                "expected": ["<parquet file>", ...]}], # version B
+                "expected": ["<parquet file>", ...],  # version B
+                "kinds": {"insert": N, ...}}],        # optional: rows of each _change_type
+
    "missing": ["share.schema.table", ...]}           # tables whose load must fail
 A change check applies load_table_changes_as_pandas(start, end) to the base, version by version
 (deletes, then inserts, by key), and compares the result with version B.
@@ -99,6 +101,8 @@ def check_changes(profile, check):
             rows.pop(row[key], None)
         for row in records(batch[batch["_change_type"].isin(["insert", "update_postimage"])], key).values():
             rows[row[key]] = {c: row[c] for c in columns}
+    if "kinds" in check and kinds != check["kinds"]:
+        fail(f"{table} changes {check['start']}..{check['end']}: change types {kinds}, expected {check['kinds']}")
     got = {k: {c: v[c] for c in columns} for k, v in rows.items()}
     want = {k: {c: v[c] for c in columns} for k, v in records(expected, key).items()}
     if got != want:

@@ -37,11 +37,12 @@ pub async fn oldest_waiting(
 }
 
 /// Bytes of the tenant's export files that exist (one row per job, kept equal to the sum of its
-/// checkpoints by [`super::lease::record_shard`]).
+/// checkpoints by [`super::lease::record_shard`]), and of its table versions' change files.
 pub async fn stored_bytes(db: impl PgExecutor<'_>, tenant: &str) -> sqlx::Result<i64> {
     sqlx::query_scalar!(
-        r#"SELECT coalesce(sum(bytes_done), 0)::bigint AS "bytes!" FROM export_jobs
-           WHERE tenant = $1 AND files_deleted_at IS NULL"#,
+        r#"SELECT (coalesce(sum(j.bytes_done), 0) + coalesce(sum(s.changes_bytes), 0))::bigint AS "bytes!"
+           FROM export_jobs j LEFT JOIN share_versions s ON s.export_id = j.id
+           WHERE j.tenant = $1 AND j.files_deleted_at IS NULL"#,
         tenant,
     )
     .fetch_one(db)

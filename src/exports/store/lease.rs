@@ -298,6 +298,8 @@ pub struct Publication<'a> {
     pub artifact_hours: u32,
     /// Incremental exports: the cursor to store for the principal and dataset.
     pub stored_cursor: Option<&'a str>,
+    /// Table versions: what changed since the version before (Delta Sharing).
+    pub changes: Option<&'a crate::sharing::ChangeFile>,
 }
 
 /// RUNNING → SUCCEEDED with the manifest, only under this lease and once every planned shard is
@@ -334,7 +336,7 @@ pub async fn publish(pool: &PgPool, lease: Lease, p: &Publication<'_>) -> sqlx::
     }
     // A full Parquet export of the whole dataset is also the next version of the principal's
     // shared table (Delta Sharing), in the same transaction as its publication.
-    crate::sharing::record_version(&mut tx, lease.job_id).await?;
+    crate::sharing::record_version(&mut tx, lease.job_id, p.changes).await?;
     sqlx::query!("DELETE FROM export_shard_plan WHERE export_id = $1", lease.job_id).execute(&mut *tx).await?;
     tx.commit().await?;
     Ok(Ok(()))

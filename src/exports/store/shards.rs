@@ -44,13 +44,18 @@ pub async fn object_keys(pool: &PgPool, export_id: Uuid) -> sqlx::Result<HashSet
     Ok(keys.into_iter().collect())
 }
 
-/// Every file of every export that downloads serve (published, files not ended with it):
+/// Every file of every export that downloads serve (published, files not ended with it), its
+/// shards and a table version's change file:
 /// (tenant, export, object key).
 pub async fn published_object_keys(pool: &PgPool) -> sqlx::Result<Vec<(String, Uuid, String)>> {
     let rows = sqlx::query!(
-        "SELECT j.tenant, j.id, s.object_key FROM export_jobs j JOIN export_shards s ON s.export_id = j.id
-         WHERE exportd_export_published(j.state) AND NOT exportd_export_ended_without_files(j.state)
-           AND j.files_deleted_at IS NULL",
+        r#"SELECT j.tenant, j.id, f.object_key AS "object_key!"
+           FROM export_jobs j
+           JOIN (SELECT export_id, object_key FROM export_shards
+                 UNION ALL SELECT export_id, changes_object FROM share_versions WHERE changes_object IS NOT NULL) f
+             ON f.export_id = j.id
+           WHERE exportd_export_published(j.state) AND NOT exportd_export_ended_without_files(j.state)
+             AND j.files_deleted_at IS NULL"#,
     )
     .fetch_all(pool)
     .await?;
