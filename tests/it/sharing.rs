@@ -117,6 +117,11 @@ async fn the_official_client_reads_exactly_the_partners_versions(pool: PgPool) {
     let (v0, v1) =
         (download_shards(&app, &zen, &first, dir.path()).await, download_shards(&app, &zen, &second, dir.path()).await);
     let all_rows = download_shards(&app, &admin, &admins, dir.path()).await;
+    // DuckDB reads the file URLs of the latest version as they are.
+    let urls: Vec<String> = ndjson(query(&app, &zen, &json!({})).await).await[2..]
+        .iter()
+        .map(|line| line["file"]["url"].as_str().unwrap().to_owned())
+        .collect();
     let profile = app.get(Some(&zen), "/v1/sharing/profile").await;
     assert_eq!(profile.status(), 200);
     let profile: Value = profile.json().await.unwrap();
@@ -138,7 +143,8 @@ async fn the_official_client_reads_exactly_the_partners_versions(pool: PgPool) {
                          "kinds": {"insert": 2, "delete": 2, "update_preimage": 1, "update_postimage": 1}},
                         {"table": "zenpartner.acme.tickets", "start": 0, "end": 1, "key": "id", "base": [], "expected": v1,
                          "kinds": {"insert": 42, "delete": 2, "update_preimage": 1, "update_postimage": 1}}],
-            "missing": ["zenpartner.acme.contacts", "alice.acme.tickets", "zenpartner.globex.tickets"]}),
+            "missing": ["zenpartner.acme.contacts", "alice.acme.tickets", "zenpartner.globex.tickets"],
+            "duckdb": [{"urls": urls, "expected": v1}]}),
         // The admin's share holds every dataset, all rows; contacts has no version yet.
         json!({"profile": admin_path, "tables": ["alice.acme.contacts", "alice.acme.tickets"],
             "loads": [{"table": "alice.acme.tickets", "version": null, "key": "id", "expected": all_rows}],
@@ -307,6 +313,31 @@ async fn listings_versions_files_and_errors_follow_the_protocol(pool: PgPool) {
     // Version 1's change file is its own export's: still there.
     let changes = ndjson(app.get(Some(&zen), &format!("{TABLE}/changes?startingVersion=1")).await).await;
     assert_eq!(changes[2]["cdf"]["version"], 1);
+
+    // File URLs expire with the link lifetime; a client refreshes them by querying again (as
+    // Spark's connector does): the same files, by id, behind new URLs.
+    let files = |lines: &[Value]| -> Vec<(String, String, i64)> {
+        lines[2..]
+            .iter()
+            .map(|l| &l["file"])
+            .map(|f| {
+                (
+                    f["id"].as_str().unwrap().into(),
+                    f["url"].as_str().unwrap().into(),
+                    f["expirationTimestamp"].as_i64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let first = files(&ndjson(query(&app, &zen, &json!({})).await).await);
+    app.clock.advance(Duration::from_secs(301));
+    let expired = reqwest::get(&first[0].1).await.unwrap();
+    assert_eq!(expired.status(), 403);
+    assert_eq!(expired.json::<Value>().await.unwrap()["code"], "link-expired");
+    let refreshed = files(&ndjson(query(&app, &zen, &json!({})).await).await);
+    assert_eq!(refreshed.iter().map(|f| &f.0).collect::<Vec<_>>(), first.iter().map(|f| &f.0).collect::<Vec<_>>());
+    assert!(refreshed[0].1 != first[0].1 && refreshed[0].2 >= first[0].2 + 301_000);
+    assert_eq!(reqwest::get(&refreshed[0].1).await.unwrap().status(), 200);
 }
 
 /// Versions cut while eight writers upsert, move, delete and roll back: every version's change
@@ -317,8 +348,11 @@ async fn change_files_are_exact_under_concurrent_writers(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
     let (admin, zen) = (app.token("acme", "alice"), app.token("acme", "zenpartner"));
     assert_eq!(app.ingest(&admin, "tickets", &tickets(0..200)).await.status(), 200);
+    // The writers have connections of their own (the test's pool has five, for the server).
+    let url = processes::database_url(&app.pool).await;
+    let host = sqlx::postgres::PgPoolOptions::new().max_connections(8).connect(&url).await.unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let writers: Vec<_> = (0..8u64).map(|w| tokio::spawn(write_until(app.pool.clone(), stop.clone(), w))).collect();
+    let writers: Vec<_> = (0..8u64).map(|w| tokio::spawn(write_until(host.clone(), stop.clone(), w))).collect();
     let mut versions = Vec::new();
     for _ in 0..4 {
         // Each export's snapshot is taken while the writers are busy.
@@ -331,6 +365,7 @@ async fn change_files_are_exact_under_concurrent_writers(pool: PgPool) {
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let writes: u64 = futures_util::future::join_all(writers).await.into_iter().map(|w| w.unwrap()).sum();
     assert!(writes >= 160, "{writes} writes");
+    host.close().await;
 
     // Versions 1.. answer with their change files (cut from the version before, not rewritten).
     let changes = ndjson(app.get(Some(&zen), &format!("{TABLE}/changes?startingVersion=1")).await).await;
@@ -370,9 +405,12 @@ async fn write_until(pool: PgPool, stop: std::sync::Arc<std::sync::atomic::Atomi
     };
     let mut committed = 0;
     while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        // Keys in order within a transaction, as a host avoids deadlocks between its writers.
+        let mut keys: Vec<String> = (0..=next(3)).map(|_| format!("t-{:04}", next(250))).collect();
+        keys.sort();
+        keys.dedup();
         let mut tx = pool.begin().await.unwrap();
-        for _ in 0..=next(3) {
-            let key = format!("t-{:04}", next(250));
+        for key in keys {
             if next(6) == 0 {
                 sqlx::query("SELECT exportd_delete('acme', 'tickets', $1)").bind(&key).execute(&mut *tx).await.unwrap();
             } else {

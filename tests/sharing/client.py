@@ -11,7 +11,9 @@ Usage: client.py PLAN, where PLAN is a JSON file:
                 "expected": ["<parquet file>", ...],  # version B
                 "kinds": {"insert": N, ...}}],        # optional: rows of each _change_type
 
-   "missing": ["share.schema.table", ...]}           # tables whose load must fail
+   "missing": ["share.schema.table", ...],           # tables whose load must fail
+   "duckdb": [{"urls": ["<file URL>", ...],          # optional: DuckDB (httpfs) reads the URLs
+               "expected": ["<parquet file>", ...]}]} # ... and gets exactly these files' rows
 A change check applies load_table_changes_as_pandas(start, end) to the base, version by version
 (deletes, then inserts, by key), and compares the result with version B.
 Prints what it checked; exits 1 with the first difference.
@@ -59,6 +61,9 @@ def main():
 
     for check in plan.get("changes", []):
         check_changes(profile, check)
+
+    for check in plan.get("duckdb", []):
+        check_duckdb(check)
 
     for table in plan.get("missing", []):
         try:
@@ -113,6 +118,30 @@ def check_changes(profile, check):
              f"{check['end']}: missing {missing}, extra {extra}, different {differ}")
     print(f"ok: load_table_changes_as_pandas({table}, {check['start']}, {check['end']}) applied to version "
           f"{check['start'] - 1} gives version {check['end']} ({len(want)} rows; changes {kinds})")
+
+
+def check_duckdb(check):
+    """DuckDB reads the signed file URLs over HTTP (HEAD, then ranges) with its httpfs extension,
+    loaded from the duckdb-ext-httpfs wheel (no download), and finds the rows of the local files."""
+    import glob
+    import os
+
+    import duckdb
+
+    extension = glob.glob(os.path.join(os.path.dirname(duckdb.__file__), "..", "duckdb_ext", "extensions",
+                                       "*", "*", "httpfs.duckdb_extension"))
+    if not extension:
+        fail("no httpfs extension from duckdb-ext-httpfs")
+    con = duckdb.connect()
+    con.execute(f"LOAD '{extension[0]}'")
+    remote = f"read_parquet({check['urls']!r})"
+    local = f"read_parquet({check['expected']!r})"
+    counts = con.execute(f"SELECT (SELECT count(*) FROM {remote}), (SELECT count(*) FROM {local})").fetchone()
+    differ = con.execute(f"SELECT count(*) FROM ((SELECT * FROM {remote} EXCEPT ALL SELECT * FROM {local}) "
+                         f"UNION ALL (SELECT * FROM {local} EXCEPT ALL SELECT * FROM {remote}))").fetchone()[0]
+    if counts[0] != counts[1] or differ != 0:
+        fail(f"DuckDB read {counts[0]} rows from the URLs, the files hold {counts[1]}; {differ} rows differ")
+    print(f"ok: DuckDB {duckdb.__version__} read_parquet of {len(check['urls'])} signed URLs = the files' {counts[1]} rows")
 
 
 if __name__ == "__main__":
