@@ -3,6 +3,7 @@
 //! Domain modules (`tenants`, `auth`, `records`, `exports`, `jobs`, `storage`, `writers`) know
 //! nothing of HTTP; `http` is a thin edge over them.
 
+pub mod attach;
 pub mod audit;
 pub mod auth;
 pub mod cleaner;

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use exportd::attach::BackfillOptions;
 use exportd::config::Settings;
 use exportd::http::{ConnectionLimits, MetricsAccess};
 use exportd::server::ServeOptions;
@@ -107,6 +108,89 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+    /// Bind a host table to a dataset: a trigger records every change in the writer's
+    /// transaction, then the rows already there are backfilled (online, resumable: run it again
+    /// after an interruption). Exports and feeds of the dataset wait for the backfill.
+    Attach {
+        #[command(flatten)]
+        settings: Settings,
+        #[command(flatten)]
+        binding: AttachArgs,
+        /// Rows per backfill batch (one transaction each).
+        #[arg(long, default_value_t = 500)]
+        batch_rows: u32,
+        /// Backfill rows per second at most.
+        #[arg(long, default_value_t = 20_000)]
+        rows_per_second: u32,
+    },
+    /// Remove an attachment's trigger and functions (the records written stay).
+    Detach {
+        #[command(flatten)]
+        settings: Settings,
+        /// The host table.
+        #[arg(long)]
+        table: String,
+    },
+    /// List attachments with their backfill progress.
+    Attachments {
+        #[command(flatten)]
+        settings: Settings,
+    },
+}
+
+/// `exportd attach`'s binding.
+#[derive(clap::Args, Debug)]
+struct AttachArgs {
+    /// The host table (`tickets`, `app.tickets`).
+    #[arg(long)]
+    table: String,
+    /// The dataset its rows become records of.
+    #[arg(long)]
+    dataset: String,
+    /// Key column(s), comma-separated (default: the primary key).
+    #[arg(long, value_delimiter = ',')]
+    key: Vec<String>,
+    /// Every row belongs to this tenant.
+    #[arg(long, conflicts_with_all = ["tenant_column", "tenant_map"], required_unless_present = "tenant_column")]
+    tenant: Option<String>,
+    /// The column whose value says the row's tenant (with --tenant-map).
+    #[arg(long, requires = "tenant_map")]
+    tenant_column: Option<String>,
+    /// VALUE=TENANT pairs, comma-separated: the tenant of each value of --tenant-column (rows
+    /// with other values are no records).
+    #[arg(long, value_delimiter = ',', value_parser = pair)]
+    tenant_map: Vec<(String, String)>,
+    /// COLUMN=SQL: the SQL expression over the host's columns that feeds a dataset column
+    /// (default: the host column of the same name). Repeatable.
+    #[arg(long = "column", value_parser = pair)]
+    columns: Vec<(String, String)>,
+}
+
+impl AttachArgs {
+    fn spec(self) -> exportd::attach::Spec {
+        use exportd::attach::{Spec, TenantRule};
+        let tenant = match (self.tenant, self.tenant_column) {
+            (Some(tenant), _) => TenantRule::Fixed(tenant),
+            (None, column) => {
+                TenantRule::Column { column: column.unwrap_or_default(), map: self.tenant_map.into_iter().collect() }
+            }
+        };
+        Spec {
+            table: self.table,
+            dataset: self.dataset,
+            key: self.key,
+            tenant,
+            columns: self.columns.into_iter().collect(),
+        }
+    }
+}
+
+/// `NAME=VALUE`.
+fn pair(text: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .filter(|(k, v)| !k.is_empty() && !v.is_empty())
+        .ok_or_else(|| format!("expected NAME=VALUE, got `{text}`"))
 }
 
 /// Errors end the process with their causes, one per line, and never a backtrace: they are
@@ -190,6 +274,26 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", exportd::auth::mint(tenant, &principal, ttl)?);
             Ok(())
         }
+        Command::Attach { settings, binding, batch_rows, rows_per_second } => {
+            let rows_per_second =
+                std::num::NonZeroU32::new(rows_per_second).context("--rows-per-second must be at least 1")?;
+            let options = BackfillOptions { batch_rows: batch_rows.max(1), rows_per_second };
+            attach(&settings, binding.spec(), options).await
+        }
+        Command::Detach { settings, table } => {
+            let pool = exportd::server::prepare(&settings, 2).await?.0;
+            if exportd::attach::detach(&pool, &table).await? {
+                println!("{table}: detached (trigger and functions removed; its records stay)");
+            } else {
+                println!("{table}: not attached; nothing to do");
+            }
+            Ok(())
+        }
+        Command::Attachments { settings } => {
+            let pool = exportd::server::prepare(&settings, 2).await?.0;
+            print_attachments(&exportd::attach::list(&pool).await?);
+            Ok(())
+        }
         Command::Seed { settings, tenant, dataset, rows, start, seed } => {
             let (pool, registry) = exportd::server::prepare(&settings, 2).await?;
             let tenant = tenant_named(&registry, &tenant, &settings.tenants_dir)?;
@@ -205,6 +309,65 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             );
             Ok(())
         }
+    }
+}
+
+async fn attach(settings: &Settings, spec: exportd::attach::Spec, options: BackfillOptions) -> anyhow::Result<()> {
+    let (pool, registry) = exportd::server::prepare(settings, 4).await?;
+    let attachment = exportd::attach::attach(&pool, &registry, &spec).await?;
+    println!(
+        "{} → dataset {} of {}: trigger in place; backfilling from row {} of about {}",
+        attachment.host_table,
+        attachment.dataset,
+        attachment.tenants.join(", "),
+        attachment.rows_done,
+        attachment.rows_estimate
+    );
+    let started = std::time::Instant::now();
+    let first = attachment.rows_done;
+    let mut last_print = std::time::Instant::now();
+    let done = exportd::attach::backfill(&pool, &registry, &attachment, options, |p| {
+        if last_print.elapsed() >= Duration::from_secs(2) || p.finished {
+            last_print = std::time::Instant::now();
+            let rate = (p.rows_done - first) as f64 / started.elapsed().as_secs_f64().max(0.001);
+            let left = (p.rows_estimate - p.rows_done).max(0) as f64;
+            println!(
+                "backfill: {} / ~{} rows, {rate:.0} rows/s, ETA {:.0} s",
+                p.rows_done,
+                p.rows_estimate,
+                left / rate.max(1.0)
+            );
+        }
+    })
+    .await?;
+    println!(
+        "backfill done: {} rows read, {} written (the rest were newer from the trigger, or the same); exports and feeds are open",
+        done.rows_done, done.rows_written
+    );
+    Ok(())
+}
+
+fn print_attachments(attachments: &[exportd::attach::Attachment]) {
+    if attachments.is_empty() {
+        println!("no attachments");
+    }
+    for a in attachments {
+        let rate = a.rows_done as f64 / (a.updated_at - a.created_at).as_seconds_f64().max(0.001);
+        let eta = if a.state == "live" {
+            String::new()
+        } else {
+            format!(", ETA {:.0} s at {rate:.0} rows/s", (a.rows_estimate - a.rows_done).max(0) as f64 / rate.max(1.0))
+        };
+        println!(
+            "{} → {} ({}): {}, {} / ~{} rows backfilled, {} written{eta}",
+            a.host_table,
+            a.dataset,
+            a.tenants.join(", "),
+            a.state,
+            a.rows_done,
+            a.rows_estimate,
+            a.rows_written
+        );
     }
 }
 

@@ -55,6 +55,10 @@ pub enum ExportError {
     Rejected(#[from] crate::quota::Rejection),
     #[error("an incremental export of this dataset is already queued or running for this principal")]
     IncrementalInProgress,
+    #[error(
+        "the dataset is fed by an attached host table whose backfill has not finished: its records are incomplete until it does (`exportd attachments` shows its progress)"
+    )]
+    BackfillRunning,
     #[error("this Idempotency-Key was already used with a different request")]
     IdempotencyKeyReused,
     #[error("no such export")]
@@ -176,6 +180,9 @@ pub async fn create(
         return replay(existing, &request_sha256);
     }
     let spec = ExportSpec::validate(request, caller)?;
+    if crate::attach::backfill_running(pool, caller.tenant.id.as_str(), &request.dataset).await? {
+        return Err(ExportError::BackfillRunning);
+    }
     let start = match spec.mode {
         Mode::Full => None,
         Mode::Incremental => Some(incremental::start(pool, caller, &spec, request.since.as_deref(), feed).await?),

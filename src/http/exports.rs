@@ -444,6 +444,7 @@ impl From<ExportError> for ApiError {
             ExportError::IncrementalInProgress => {
                 ApiError::new(StatusCode::CONFLICT, "incremental-in-progress", detail)
             }
+            ExportError::BackfillRunning => ApiError::new(StatusCode::CONFLICT, "backfill-running", detail),
             ExportError::NotRevocable(state) => {
                 ApiError::new(StatusCode::CONFLICT, "not-revocable", detail).with("state", state.as_str())
             }

@@ -62,6 +62,9 @@ async fn changes(
     Query(params): Query<ChangesParams>,
 ) -> ApiResult<axum::Json<ChangesPage>> {
     let schema = readable_dataset(&caller, &dataset)?;
+    if crate::attach::backfill_running(&state.pool, caller.tenant.id.as_str(), schema.name.as_str()).await? {
+        return Err(crate::exports::ExportError::BackfillRunning.into());
+    }
     let limit = params.limit.unwrap_or(DEFAULT_LIMIT);
     if !(1..=MAX_LIMIT).contains(&limit) {
         return Err(ApiError::invalid_field("limit", format!("must be between 1 and {MAX_LIMIT}")));

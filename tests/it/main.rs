@@ -4,6 +4,7 @@
 mod common;
 
 mod abuse;
+mod attach;
 mod chaos;
 mod cli_errors;
 mod client;

@@ -1,0 +1,270 @@
+//! Checking an attachment against the host's catalog and the dataset: which table, which key,
+//! which tenant, which expression feeds each dataset column — every mistake named with the
+//! table or column and what is wrong.
+
+use sqlx::{Executor, PgPool};
+
+use super::{Spec, TenantRule};
+use crate::tenants::{ColumnType, DatasetSchema, Registry};
+
+/// An attachment ready to be written as SQL: every name checked, every expression typed.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// `regclass` text of the host table (schema-qualified where the search path needs it).
+    pub table: String,
+    pub dataset: String,
+    /// The key columns (quoted identifiers) and their types, in key order.
+    pub key: Vec<(String, String)>,
+    /// SQL giving a row's tenant id (NULL: the row belongs to no tenant and is not exported).
+    pub tenant_sql: String,
+    /// SQL giving a row's record key as text.
+    pub key_sql: String,
+    /// SQL giving a row's record data (a JSON object).
+    pub data_sql: String,
+    pub tenants: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Refusal(pub String);
+
+fn refuse(text: impl Into<String>) -> anyhow::Error {
+    Refusal(text.into()).into()
+}
+
+/// `"name"`, quoted as PostgreSQL quotes an identifier.
+pub fn ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// `'text'`, quoted as a string literal.
+pub fn literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+struct HostColumn {
+    name: String,
+    ty: String,
+    not_null: bool,
+}
+
+pub async fn resolve(pool: &PgPool, registry: &Registry, spec: &Spec) -> anyhow::Result<Resolved> {
+    let found: Option<(String, i64)> = sqlx::query_as("SELECT to_regclass($1)::text, to_regclass($1)::oid::bigint")
+        .bind(&spec.table)
+        .fetch_one(pool)
+        .await
+        .map(|(name, oid): (Option<String>, Option<i64>)| name.zip(oid))?;
+    let (table, oid) = found.ok_or_else(|| refuse(format!("table `{}`: no such table", spec.table)))?;
+    let columns: Vec<HostColumn> = sqlx::query_as(
+        "SELECT attname::text, format_type(atttypid, atttypmod), attnotnull FROM pg_attribute
+         WHERE attrelid = $1::bigint::oid AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+    )
+    .bind(oid)
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .map(|(name, ty, not_null)| HostColumn { name, ty, not_null })
+    .collect();
+    let column = |name: &str| columns.iter().find(|c| c.name == name);
+
+    let key = key_columns(pool, oid, &table, spec, &columns).await?;
+    let (tenant_sql, tenants) = tenant_rule(&table, spec, &column)?;
+    let schemas = tenants
+        .iter()
+        .map(|tenant| {
+            let t = registry.get(tenant).ok_or_else(|| refuse(format!("tenant `{tenant}`: no such tenant")))?;
+            t.dataset(&spec.dataset)
+                .cloned()
+                .ok_or_else(|| refuse(format!("tenant `{tenant}` has no dataset `{}`", spec.dataset)))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let schema = &schemas[0];
+    if let Some((tenant, _)) = tenants.iter().zip(&schemas).find(|(_, s)| s.columns != schema.columns) {
+        return Err(refuse(format!(
+            "dataset `{}` of tenant `{tenant}` has other columns than `{}`'s: attach one table per dataset shape",
+            spec.dataset, tenants[0]
+        )));
+    }
+    for name in spec.columns.keys() {
+        if !schema.columns.iter().any(|c| c.name.as_str() == name) {
+            return Err(refuse(format!("--column {name}: dataset `{}` has no column `{name}`", spec.dataset)));
+        }
+    }
+    let sources = column_sources(&table, spec, schema, &column)?;
+    let types = probe(pool, &table, &sources).await?;
+    let mut pairs = Vec::new();
+    for ((name, ty, expression), found) in sources.iter().zip(types) {
+        let json = to_json(*ty, expression, &found).ok_or_else(|| {
+            refuse(format!(
+                "dataset column `{name}` ({}) from `{expression}` of type {found} in `{table}`: cannot map; \
+                 give --column {name}=<SQL expression>",
+                type_name(*ty)
+            ))
+        })?;
+        pairs.push(format!("{}, {json}", literal(name)));
+    }
+    let key_sql = match key.as_slice() {
+        [(name, _)] => format!("({name})::text"),
+        many => {
+            format!("jsonb_build_array({})::text", many.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", "))
+        }
+    };
+    Ok(Resolved {
+        table,
+        dataset: spec.dataset.clone(),
+        key,
+        tenant_sql,
+        key_sql,
+        data_sql: format!("jsonb_build_object({})", pairs.join(", ")),
+        tenants,
+    })
+}
+
+/// The key: the columns given, or the primary key's; NOT NULL and covered by a unique index
+/// (the backfill pages by it, and a record key must name one row).
+async fn key_columns(
+    pool: &PgPool,
+    oid: i64,
+    table: &str,
+    spec: &Spec,
+    columns: &[HostColumn],
+) -> anyhow::Result<Vec<(String, String)>> {
+    let unique: Vec<(Vec<String>, bool)> = sqlx::query_as(
+        "SELECT array_agg(a.attname::text ORDER BY k.n), i.indisprimary FROM pg_index i
+         CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n)
+         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+         WHERE i.indrelid = $1::bigint::oid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL
+         GROUP BY i.indexrelid, i.indisprimary ORDER BY i.indisprimary DESC",
+    )
+    .bind(oid)
+    .fetch_all(pool)
+    .await?;
+    let names = if spec.key.is_empty() {
+        unique.iter().find(|(_, primary)| *primary).map(|(names, _)| names.clone()).ok_or_else(|| {
+            refuse(format!("table `{table}` has no primary key: give --key <column> (a unique, NOT NULL column)"))
+        })?
+    } else {
+        spec.key.clone()
+    };
+    let mut key = Vec::new();
+    for name in &names {
+        let column = columns
+            .iter()
+            .find(|c| &c.name == name)
+            .ok_or_else(|| refuse(format!("--key {name}: table `{table}` has no column `{name}`")))?;
+        if !column.not_null {
+            return Err(refuse(format!("--key {name}: column `{name}` of `{table}` may be NULL; a key may not")));
+        }
+        key.push((ident(name), column.ty.clone()));
+    }
+    let mut sorted = names.clone();
+    sorted.sort();
+    if !unique.iter().any(|(index, _)| {
+        let mut index = index.clone();
+        index.sort();
+        index == sorted
+    }) {
+        return Err(refuse(format!(
+            "--key {}: no unique index of `{table}` has exactly these columns, so a key might name two rows",
+            names.join(",")
+        )));
+    }
+    Ok(key)
+}
+
+/// How a row finds its tenant: one fixed tenant, or a column whose values map to tenants.
+fn tenant_rule<'a>(
+    table: &str,
+    spec: &Spec,
+    column: &impl Fn(&str) -> Option<&'a HostColumn>,
+) -> anyhow::Result<(String, Vec<String>)> {
+    match &spec.tenant {
+        TenantRule::Fixed(tenant) => Ok((literal(tenant), vec![tenant.clone()])),
+        TenantRule::Column { column: name, map } => {
+            column(name)
+                .ok_or_else(|| refuse(format!("--tenant-column {name}: table `{table}` has no column `{name}`")))?;
+            if map.is_empty() {
+                return Err(refuse(
+                    "--tenant-map: map at least one value of the tenant column to a tenant (VALUE=TENANT)",
+                ));
+            }
+            let arms: Vec<String> =
+                map.iter().map(|(value, tenant)| format!("WHEN {} THEN {}", literal(value), literal(tenant))).collect();
+            let mut tenants: Vec<String> = map.values().cloned().collect();
+            tenants.sort();
+            tenants.dedup();
+            Ok((format!("CASE ({})::text {} END", ident(name), arms.join(" ")), tenants))
+        }
+    }
+}
+
+/// Each dataset column with the SQL that feeds it: the expression given, else the host column
+/// of the same name. A required column needs one; an optional one without is left out (null).
+fn column_sources<'a>(
+    table: &str,
+    spec: &Spec,
+    schema: &DatasetSchema,
+    column: &impl Fn(&str) -> Option<&'a HostColumn>,
+) -> anyhow::Result<Vec<(String, ColumnType, String)>> {
+    let mut sources = Vec::new();
+    for c in &schema.columns {
+        let name = c.name.as_str();
+        let expression = match (spec.columns.get(name), column(name)) {
+            (Some(expression), _) => expression.clone(),
+            (None, Some(_)) => ident(name),
+            (None, None) if c.required => {
+                return Err(refuse(format!(
+                    "dataset column `{name}` is required and `{table}` has no column `{name}`: give --column {name}=<SQL expression>"
+                )));
+            }
+            (None, None) => continue,
+        };
+        sources.push((name.to_owned(), c.ty, expression));
+    }
+    Ok(sources)
+}
+
+/// The PostgreSQL type of each source expression, as the server describes a query of them (an
+/// expression that does not compile is refused with the server's message).
+async fn probe(pool: &PgPool, table: &str, sources: &[(String, ColumnType, String)]) -> anyhow::Result<Vec<String>> {
+    if sources.is_empty() {
+        return Ok(Vec::new());
+    }
+    let select: Vec<String> = sources.iter().map(|(_, _, e)| format!("({e})")).collect();
+    let sql = format!("SELECT {} FROM {table} AS src", select.join(", "));
+    let described = pool.describe(sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(sql))).await.map_err(|e| {
+        let message = e.as_database_error().map_or_else(|| e.to_string(), |d| d.message().to_owned());
+        refuse(format!("--column expressions over `{table}`: {message}"))
+    })?;
+    Ok(described.columns().iter().map(|c| sqlx::TypeInfo::name(sqlx::Column::type_info(c)).to_lowercase()).collect())
+}
+
+/// The JSON the record holds for a value of PostgreSQL type `found` in a column of type `ty`;
+/// `None` when the type cannot feed it.
+fn to_json(ty: ColumnType, expression: &str, found: &str) -> Option<String> {
+    let e = format!("({expression})");
+    let is = |names: &[&str]| names.contains(&found);
+    let integers = ["int2", "int4", "int8"];
+    match ty {
+        ColumnType::String if !is(&["json", "jsonb", "bytea"]) => Some(format!("to_jsonb({e}::text)")),
+        ColumnType::Integer if is(&integers) => Some(format!("to_jsonb({e})")),
+        ColumnType::Number if is(&integers) || is(&["numeric", "float4", "float8"]) => Some(format!("to_jsonb({e})")),
+        ColumnType::Boolean if is(&["bool"]) => Some(format!("to_jsonb({e})")),
+        ColumnType::Timestamp if is(&["timestamptz", "timestamp", "date"]) => {
+            Some(format!("to_jsonb(to_char({e}::timestamptz AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'))"))
+        }
+        ColumnType::Json => Some(format!("to_jsonb({e})")),
+        _ => None,
+    }
+}
+
+fn type_name(ty: ColumnType) -> &'static str {
+    match ty {
+        ColumnType::String => "string",
+        ColumnType::Integer => "integer",
+        ColumnType::Number => "number",
+        ColumnType::Boolean => "boolean",
+        ColumnType::Timestamp => "timestamp",
+        ColumnType::Json => "json",
+    }
+}
