@@ -352,11 +352,9 @@ fn print_attachments(attachments: &[exportd::attach::Attachment]) {
         println!("no attachments");
     }
     for a in attachments {
-        let rate = a.rows_done as f64 / (a.updated_at - a.created_at).as_seconds_f64().max(0.001);
-        let eta = if a.state == "live" {
-            String::new()
-        } else {
-            format!(", ETA {:.0} s at {rate:.0} rows/s", (a.rows_estimate - a.rows_done).max(0) as f64 / rate.max(1.0))
+        let eta = match a.eta() {
+            Some(left) if a.state != "live" => format!(", ETA {:.0} s", left.as_secs_f64()),
+            _ => String::new(),
         };
         println!(
             "{} → {} ({}): {}, {} / ~{} rows backfilled, {} written{eta}",

@@ -60,6 +60,18 @@ pub struct Attachment {
     pub updated_at: time::OffsetDateTime,
 }
 
+impl Attachment {
+    /// Time left at the backfill's average rate since it began (`None` before any progress).
+    pub fn eta(&self) -> Option<std::time::Duration> {
+        let elapsed = (self.updated_at - self.created_at).as_seconds_f64();
+        if self.rows_done <= 0 || elapsed <= 0.0 {
+            return None;
+        }
+        let left = (self.rows_estimate - self.rows_done).max(0) as f64;
+        Some(std::time::Duration::from_secs_f64(left * elapsed / self.rows_done as f64))
+    }
+}
+
 /// Lock waits of attach and detach on the host table: they take a lock that waits for running
 /// writers and blocks new ones while it waits, so they give up rather than stall the host.
 const DDL_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '3s'";

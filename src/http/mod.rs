@@ -1,5 +1,6 @@
 //! The HTTP API: one file per resource, merged here with the middleware every request passes.
 
+mod attachments;
 mod audit;
 mod dashboard;
 mod downloads;

@@ -5,7 +5,7 @@ use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 
 use super::state::AppState;
-use super::{audit, downloads, exports, feeds, health, records, schemas, sharing, usage, webhooks};
+use super::{attachments, audit, downloads, exports, feeds, health, records, schemas, sharing, usage, webhooks};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -32,6 +32,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .merge(records::router())
         .merge(exports::router())
         .merge(downloads::router())
+        .merge(attachments::router())
         .merge(audit::router())
         .merge(feeds::router())
         .merge(schemas::router())

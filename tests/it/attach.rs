@@ -114,6 +114,15 @@ async fn attached_tables_export_exactly_what_the_host_wrote_through_kills_and_co
     assert_eq!(problem(refused).await["code"], "backfill-running");
     let feed = app.get(Some(&alice), &format!("/v1/datasets/tickets/changes?cursor={cursor}")).await;
     assert_eq!(feed.status(), 409);
+    // The tenant admin sees the progress.
+    let list: Value = app.get(Some(&alice), "/v1/attachments").await.json().await.unwrap();
+    let tickets = &list["attachments"][0];
+    assert_eq!((tickets["dataset"].as_str(), tickets["state"].as_str()), (Some("tickets"), Some("backfilling")));
+    // The estimate is the table's size when attach ran (the writers were already at work).
+    let (done, estimate) = (tickets["rows_done"].as_i64().unwrap(), tickets["rows_estimate"].as_i64().unwrap());
+    assert!(done >= 3500 && (5500..7000).contains(&estimate), "{tickets}");
+    assert!(tickets["eta_seconds"].is_i64(), "{tickets}");
+    assert_eq!(app.get(Some(&app.token("acme", "zenpartner")), "/v1/attachments").await.status(), 403);
 
     let finish = attach_command(&url, TICKETS).output().await.unwrap();
     assert!(finish.status.success(), "{}", String::from_utf8_lossy(&finish.stderr));
@@ -151,6 +160,15 @@ async fn attached_tables_export_exactly_what_the_host_wrote_through_kills_and_co
         "{}",
         String::from_utf8_lossy(&other.stderr)
     );
+
+    let list: Value = app.get(Some(&hank), "/v1/attachments").await.json().await.unwrap();
+    let states: Vec<(&str, &str)> = list["attachments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| (a["dataset"].as_str().unwrap(), a["state"].as_str().unwrap()))
+        .collect();
+    assert_eq!(states, [("tickets", "live")], "globex is fed by the tickets table only");
 
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.store(true, Ordering::SeqCst);
