@@ -334,3 +334,65 @@ async fn host_writer(pool: PgPool, stop: Arc<AtomicBool>, writer: u64) -> u64 {
     }
     committed
 }
+
+/// Every mistake in a binding is refused before anything changes, naming the table or column
+/// and what is wrong.
+#[sqlx::test(migrations = "./migrations")]
+async fn a_wrong_binding_is_refused_naming_what_is_wrong(pool: PgPool) {
+    use exportd::attach::{Spec, TenantRule};
+    let app = TestApp::spawn(pool).await;
+    sqlx::raw_sql(
+        "CREATE SCHEMA app;
+         CREATE TABLE app.t (id bigint PRIMARY KEY, code text, title text NOT NULL, status text NOT NULL, priority text);
+         CREATE TABLE app.loose (id bigint, title text, status text);",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let spec = |table: &str, dataset: &str, tenant: &str, key: &[&str], columns: &[(&str, &str)]| Spec {
+        table: table.into(),
+        dataset: dataset.into(),
+        key: key.iter().map(|k| k.to_string()).collect(),
+        tenant: TenantRule::Fixed(tenant.into()),
+        columns: columns.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+    };
+    let title = ("subject", "title");
+    let text_priority = ("priority", "NULL::int");
+    let cases = [
+        (spec("app.missing", "tickets", "acme", &[], &[title]), "table `app.missing`: no such table"),
+        (spec("app.loose", "tickets", "acme", &[], &[title]), "has no primary key"),
+        (spec("app.t", "tickets", "acme", &["code"], &[title, text_priority]), "column `code` of `app.t` may be NULL"),
+        (spec("app.t", "tickets", "acme", &["id", "status"], &[title, text_priority]), "no unique index"),
+        (spec("app.t", "tickets", "acme", &[], &[text_priority]), "dataset column `subject` is required"),
+        (
+            spec("app.t", "tickets", "acme", &[], &[title]),
+            "dataset column `priority` (integer) from `\"priority\"` of type text",
+        ),
+        (
+            spec("app.t", "tickets", "acme", &[], &[("subject", "nosuch(title)"), text_priority]),
+            "--column expressions over `app.t`",
+        ),
+        (
+            spec("app.t", "tickets", "acme", &[], &[title, text_priority, ("nosuch", "title")]),
+            "dataset `tickets` has no column `nosuch`",
+        ),
+        (spec("app.t", "contacts", "globex", &[], &[]), "tenant `globex` has no dataset `contacts`"),
+        (spec("app.t", "tickets", "nobody", &[], &[title, text_priority]), "tenant `nobody`: no such tenant"),
+    ];
+    for (spec, expected) in cases {
+        let refused = exportd::attach::attach(&app.pool, &app.registry, &spec).await.unwrap_err().to_string();
+        assert!(refused.contains(expected), "{spec:?}: {refused}");
+    }
+    let (attachments, triggers): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM attachments),
+                (SELECT count(*) FROM pg_trigger WHERE tgrelid IN ('app.t'::regclass, 'app.loose'::regclass))",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!((attachments, triggers), (0, 0), "a refused binding changed nothing");
+    // The same table with a right binding attaches.
+    let good = spec("app.t", "tickets", "acme", &[], &[title, text_priority]);
+    let attached = exportd::attach::attach(&app.pool, &app.registry, &good).await.unwrap();
+    assert_eq!((attached.dataset.as_str(), attached.state.as_str()), ("tickets", "backfilling"));
+}
