@@ -90,15 +90,14 @@ async fn batch(pool: &PgPool, id: i64, resolved: &Resolved, statement: &str, lim
     let started = Instant::now();
     let mut tx = pool.begin().await?;
     sqlx::raw_sql(LOCK_TIMEOUT).execute(&mut *tx).await?;
-    let at: Option<(Option<Vec<String>>, String)> =
-        sqlx::query_as("SELECT backfill_after, state FROM attachments WHERE id = $1 FOR UPDATE")
-            .bind(id)
-            .fetch_optional(&mut *tx)
-            .await?;
-    let Some((after, state)) = at else {
+    let at = sqlx::query!("SELECT backfill_after, state FROM attachments WHERE id = $1 FOR UPDATE", id)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let Some(at) = at else {
         return Err(sqlx::Error::Protocol("the attachment was detached during its backfill".into()));
     };
-    if state != "backfilling" {
+    let after = at.backfill_after;
+    if at.state != "backfilling" {
         tx.rollback().await?;
         return progress(pool, id).await;
     }
@@ -112,30 +111,34 @@ async fn batch(pool: &PgPool, id: i64, resolved: &Resolved, statement: &str, lim
     for row in &rows {
         let tenant: Option<String> = row.try_get("tenant")?;
         let Some(tenant) = tenant else { continue };
-        let wrote: bool = sqlx::query_scalar("SELECT exportd_backfill_write($1, $2, $3, $4, $5::text::pg_snapshot)")
-            .bind(tenant)
-            .bind(&resolved.dataset)
-            .bind(row.try_get::<String, _>("key")?)
-            .bind(row.try_get::<serde_json::Value, _>("data")?)
-            .bind(row.try_get::<String, _>("snapshot")?)
-            .fetch_one(&mut *tx)
-            .await?;
+        let (key, data, snapshot): (String, serde_json::Value, String) =
+            (row.try_get("key")?, row.try_get("data")?, row.try_get("snapshot")?);
+        let wrote = sqlx::query_scalar!(
+            r#"SELECT exportd_backfill_write($1, $2, $3, $4, $5::text::pg_snapshot) AS "wrote!""#,
+            tenant,
+            resolved.dataset,
+            key,
+            data,
+            snapshot,
+        )
+        .fetch_one(&mut *tx)
+        .await?;
         written += i64::from(wrote);
     }
     let position: Option<Vec<String>> = rows.last().map(|r| r.try_get("position")).transpose()?;
     let finished = rows.len() < limit as usize;
-    sqlx::query(
+    sqlx::query!(
         "UPDATE attachments SET backfill_after = coalesce($2, backfill_after), rows_done = rows_done + $3,
              rows_written = rows_written + $4, updated_at = now(),
              state = CASE WHEN $5 THEN 'live' ELSE state END,
              finished_at = CASE WHEN $5 THEN now() END
          WHERE id = $1",
+        id,
+        position.as_deref(),
+        rows.len() as i64,
+        written,
+        finished,
     )
-    .bind(id)
-    .bind(position)
-    .bind(rows.len() as i64)
-    .bind(written)
-    .bind(finished)
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
@@ -150,10 +153,13 @@ async fn batch(pool: &PgPool, id: i64, resolved: &Resolved, statement: &str, lim
 }
 
 async fn progress(pool: &PgPool, id: i64) -> sqlx::Result<Progress> {
-    let (rows_done, rows_written, rows_estimate, state): (i64, i64, i64, String) =
-        sqlx::query_as("SELECT rows_done, rows_written, rows_estimate, state FROM attachments WHERE id = $1")
-            .bind(id)
-            .fetch_one(pool)
-            .await?;
-    Ok(Progress { rows_done, rows_written, rows_estimate, finished: state == "live" })
+    let at = sqlx::query!("SELECT rows_done, rows_written, rows_estimate, state FROM attachments WHERE id = $1", id)
+        .fetch_one(pool)
+        .await?;
+    Ok(Progress {
+        rows_done: at.rows_done,
+        rows_written: at.rows_written,
+        rows_estimate: at.rows_estimate,
+        finished: at.state == "live",
+    })
 }

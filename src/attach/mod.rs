@@ -50,7 +50,7 @@ pub struct Attachment {
     pub id: i64,
     pub host_table: String,
     pub dataset: String,
-    pub spec: Spec,
+    pub spec: sqlx::types::Json<Spec>,
     pub tenants: Vec<String>,
     pub state: String,
     pub rows_done: i64,
@@ -81,7 +81,7 @@ const DDL_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '3s'";
 /// another spec is refused: detach it first. Returns the attachment; its backfill is next.
 pub async fn attach(pool: &PgPool, registry: &Registry, spec: &Spec) -> anyhow::Result<Attachment> {
     if let Some(existing) = find_by_name(pool, &spec.table).await? {
-        if existing.spec != *spec {
+        if existing.spec.0 != *spec {
             return Err(Refusal(format!(
                 "table `{}` is already attached to dataset `{}` with another binding: `exportd detach --table {}` first",
                 existing.host_table, existing.dataset, existing.host_table
@@ -94,15 +94,15 @@ pub async fn attach(pool: &PgPool, registry: &Registry, spec: &Spec) -> anyhow::
     let estimate = rows_estimate(pool, &resolved.table).await?;
     let mut tx = pool.begin().await?;
     sqlx::raw_sql(DDL_LOCK_TIMEOUT).execute(&mut *tx).await?;
-    let id: i64 = sqlx::query_scalar(
+    let id = sqlx::query_scalar!(
         "INSERT INTO attachments (host_table, dataset, spec, tenants, rows_estimate) VALUES ($1, $2, $3, $4, $5)
          RETURNING id",
+        resolved.table,
+        spec.dataset,
+        sqlx::types::Json(spec) as _,
+        &resolved.tenants,
+        estimate,
     )
-    .bind(&resolved.table)
-    .bind(&spec.dataset)
-    .bind(sqlx::types::Json(spec))
-    .bind(&resolved.tenants)
-    .bind(estimate)
     .fetch_one(&mut *tx)
     .await?;
     for statement in sql::functions(id, &resolved).into_iter().chain(sql::triggers(id, &resolved)) {
@@ -117,8 +117,7 @@ pub async fn attach(pool: &PgPool, registry: &Registry, spec: &Spec) -> anyhow::
 
 /// The planner's row count of the table, or a count when it was never analyzed.
 async fn rows_estimate(pool: &PgPool, table: &str) -> sqlx::Result<i64> {
-    let planned: f32 = sqlx::query_scalar("SELECT reltuples FROM pg_class WHERE oid = $1::regclass")
-        .bind(table)
+    let planned = sqlx::query_scalar!("SELECT reltuples FROM pg_class WHERE oid = $1::text::regclass", table)
         .fetch_one(pool)
         .await?;
     if planned >= 0.0 {
@@ -156,7 +155,7 @@ pub async fn detach(pool: &PgPool, table: &str) -> anyhow::Result<bool> {
     for statement in statements {
         sqlx::raw_sql(sqlx::AssertSqlSafe(statement)).execute(&mut *tx).await.map_err(|e| locked(e, host))?;
     }
-    sqlx::query("DELETE FROM attachments WHERE id = $1").bind(attachment.id).execute(&mut *tx).await?;
+    sqlx::query!("DELETE FROM attachments WHERE id = $1", attachment.id).execute(&mut *tx).await?;
     tx.commit().await.map_err(|e| locked(e, host))?;
     Ok(true)
 }
@@ -168,11 +167,12 @@ pub async fn list(pool: &PgPool) -> sqlx::Result<Vec<Attachment>> {
 
 /// Whether `tenant`'s `dataset` is fed by an attachment whose backfill has not finished.
 pub async fn backfill_running(pool: &PgPool, tenant: &str, dataset: &str) -> sqlx::Result<bool> {
-    sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM attachments WHERE $1 = ANY (tenants) AND dataset = $2 AND state = 'backfilling')",
+    sqlx::query_scalar!(
+        r#"SELECT EXISTS (SELECT 1 FROM attachments WHERE $1 = ANY (tenants) AND dataset = $2 AND state = 'backfilling')
+           AS "running!""#,
+        tenant,
+        dataset,
     )
-    .bind(tenant)
-    .bind(dataset)
     .fetch_one(pool)
     .await
 }
@@ -183,8 +183,7 @@ async fn find(pool: &PgPool, regclass: &str) -> sqlx::Result<Option<Attachment>>
 
 /// The attachment of `table` as the operator names it (any spelling `regclass` resolves).
 async fn find_by_name(pool: &PgPool, table: &str) -> sqlx::Result<Option<Attachment>> {
-    let regclass: Option<String> =
-        sqlx::query_scalar("SELECT to_regclass($1)::text").bind(table).fetch_one(pool).await?;
+    let regclass = sqlx::query_scalar!("SELECT to_regclass($1)::text", table).fetch_one(pool).await?;
     match regclass {
         Some(name) => find(pool, &name).await,
         // A dropped table: its attachment is known by the name it was recorded under.
@@ -193,40 +192,13 @@ async fn find_by_name(pool: &PgPool, table: &str) -> sqlx::Result<Option<Attachm
 }
 
 async fn select(pool: &PgPool, table: Option<&str>) -> sqlx::Result<Vec<Attachment>> {
-    type Row = (
-        i64,
-        String,
-        String,
-        sqlx::types::Json<Spec>,
-        Vec<String>,
-        String,
-        i64,
-        i64,
-        i64,
-        time::OffsetDateTime,
-        time::OffsetDateTime,
-    );
-    let rows: Vec<Row> = sqlx::query_as(
-        "SELECT id, host_table, dataset, spec, tenants, state, rows_done, rows_written, rows_estimate, created_at, updated_at
-         FROM attachments WHERE $1::text IS NULL OR host_table = $1 ORDER BY host_table",
+    sqlx::query_as!(
+        Attachment,
+        r#"SELECT id, host_table, dataset, spec AS "spec: sqlx::types::Json<Spec>", tenants, state, rows_done,
+                  rows_written, rows_estimate, created_at, updated_at
+           FROM attachments WHERE $1::text IS NULL OR host_table = $1 ORDER BY host_table"#,
+        table,
     )
-    .bind(table)
     .fetch_all(pool)
-    .await?;
-    Ok(rows
-        .into_iter()
-        .map(|r| Attachment {
-            id: r.0,
-            host_table: r.1,
-            dataset: r.2,
-            spec: r.3.0,
-            tenants: r.4,
-            state: r.5,
-            rows_done: r.6,
-            rows_written: r.7,
-            rows_estimate: r.8,
-            created_at: r.9,
-            updated_at: r.10,
-        })
-        .collect())
+    .await
 }

@@ -49,22 +49,19 @@ struct HostColumn {
 }
 
 pub async fn resolve(pool: &PgPool, registry: &Registry, spec: &Spec) -> anyhow::Result<Resolved> {
-    let found: Option<(String, i64)> = sqlx::query_as("SELECT to_regclass($1)::text, to_regclass($1)::oid::bigint")
-        .bind(&spec.table)
+    let found = sqlx::query!("SELECT to_regclass($1)::text AS name, to_regclass($1)::oid::bigint AS oid", spec.table)
         .fetch_one(pool)
         .await
-        .map(|(name, oid): (Option<String>, Option<i64>)| name.zip(oid))?;
+        .map(|r| r.name.zip(r.oid))?;
     let (table, oid) = found.ok_or_else(|| refuse(format!("table `{}`: no such table", spec.table)))?;
-    let columns: Vec<HostColumn> = sqlx::query_as(
-        "SELECT attname::text, format_type(atttypid, atttypmod), attnotnull FROM pg_attribute
-         WHERE attrelid = $1::bigint::oid AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+    let columns = sqlx::query_as!(
+        HostColumn,
+        r#"SELECT attname::text AS "name!", format_type(atttypid, atttypmod) AS "ty!", attnotnull AS not_null
+           FROM pg_attribute WHERE attrelid = $1::bigint::oid AND attnum > 0 AND NOT attisdropped ORDER BY attnum"#,
+        oid
     )
-    .bind(oid)
     .fetch_all(pool)
-    .await?
-    .into_iter()
-    .map(|(name, ty, not_null)| HostColumn { name, ty, not_null })
-    .collect();
+    .await?;
     let column = |name: &str| columns.iter().find(|c| c.name == name);
 
     let key = key_columns(pool, oid, &table, spec, &columns).await?;
@@ -129,16 +126,19 @@ async fn key_columns(
     spec: &Spec,
     columns: &[HostColumn],
 ) -> anyhow::Result<Vec<(String, String)>> {
-    let unique: Vec<(Vec<String>, bool)> = sqlx::query_as(
-        "SELECT array_agg(a.attname::text ORDER BY k.n), i.indisprimary FROM pg_index i
-         CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n)
-         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-         WHERE i.indrelid = $1::bigint::oid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL
-         GROUP BY i.indexrelid, i.indisprimary ORDER BY i.indisprimary DESC",
+    let unique: Vec<(Vec<String>, bool)> = sqlx::query!(
+        r#"SELECT array_agg(a.attname::text ORDER BY k.n) AS "columns!", i.indisprimary AS primary FROM pg_index i
+           CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n)
+           JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+           WHERE i.indrelid = $1::bigint::oid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL
+           GROUP BY i.indexrelid, i.indisprimary ORDER BY i.indisprimary DESC"#,
+        oid
     )
-    .bind(oid)
     .fetch_all(pool)
-    .await?;
+    .await?
+    .into_iter()
+    .map(|r| (r.columns, r.primary))
+    .collect();
     let names = if spec.key.is_empty() {
         unique.iter().find(|(_, primary)| *primary).map(|(names, _)| names.clone()).ok_or_else(|| {
             refuse(format!("table `{table}` has no primary key: give --key <column> (a unique, NOT NULL column)"))
