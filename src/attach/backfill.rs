@@ -65,6 +65,9 @@ pub async fn backfill(
                 retries = 0;
                 report(&progress);
                 if progress.finished {
+                    // A backfill is a burst of history autovacuum has not analyzed yet: without
+                    // statistics the feed's page query picks plans that take seconds per page.
+                    sqlx::raw_sql("ANALYZE record_versions, record_heads").execute(pool).await?;
                     return Ok(progress);
                 }
                 let rows = NonZeroU32::new(options.batch_rows.min(options.rows_per_second.get())).expect("non-zero");
