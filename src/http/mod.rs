@@ -3,6 +3,7 @@
 mod attachments;
 mod audit;
 mod dashboard;
+mod deliveries;
 mod downloads;
 mod error;
 mod exports;

@@ -5,7 +5,9 @@ use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 
 use super::state::AppState;
-use super::{attachments, audit, downloads, exports, feeds, health, records, schemas, sharing, usage, webhooks};
+use super::{
+    attachments, audit, deliveries, downloads, exports, feeds, health, records, schemas, sharing, usage, webhooks,
+};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -38,6 +40,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .merge(schemas::router())
         .merge(usage::router())
         .merge(webhooks::router())
+        .merge(deliveries::router())
         .merge(sharing::router())
         .merge(sharing::profile_router())
 }

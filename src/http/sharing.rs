@@ -518,7 +518,19 @@ fn query_request(body: &[u8]) -> ApiResult<(QueryRequest, Option<Value>)> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok((QueryRequest::default(), None));
     }
-    let request: QueryRequest = serde_json::from_slice(body).map_err(|e| {
+    // A JSON object only: serde would also read a struct from an array of its fields in order.
+    let object: serde_json::Map<String, Value> = serde_json::from_slice(body).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-body",
+            match e.classify() {
+                serde_json::error::Category::Data => "the query body must be a JSON object",
+                _ => "the query body is not valid JSON",
+            },
+        )
+        .with("field", "body")
+    })?;
+    let request: QueryRequest = serde_json::from_value(Value::Object(object)).map_err(|e| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
             "invalid-body",

@@ -26,6 +26,8 @@ pub struct AppState {
     pub metrics: Arc<MetricsPage>,
     /// A delivery retried by hand is tried again for this long (EXPORTD_WEBHOOK_RETRY_FOR).
     pub webhook_retry_for: Duration,
+    /// A bucket delivery retried by hand is tried again for this long (EXPORTD_DELIVERY_RETRY_FOR).
+    pub delivery_retry_for: Duration,
     /// The API's public base URL (EXPORTD_PUBLIC_URL): Delta Sharing profiles and file URLs are
     /// absolute; without it they take the request's `Host`.
     pub public_url: Option<reqwest::Url>,
@@ -58,6 +60,7 @@ impl AppState {
             limits,
             metrics: MetricsPage::new(MetricsAccess::Closed),
             webhook_retry_for: DEFAULT_WEBHOOK_RETRY_FOR,
+            delivery_retry_for: DEFAULT_WEBHOOK_RETRY_FOR,
             public_url: None,
         }
     }

@@ -26,7 +26,9 @@ pub struct DeliveriesParams {
     #[param(pattern = "^[A-Za-z0-9._-]{1,64}$")]
     endpoint: Option<String>,
     /// Only this event type.
-    #[param(pattern = r"^(export\.(succeeded|failed|cancelled|expired|revoked)|feed\.lagging)$")]
+    #[param(
+        pattern = r"^(export\.(succeeded|failed|cancelled|expired|revoked)|feed\.lagging|schema\.changed|delivery\.(succeeded|failed))$"
+    )]
     event: Option<String>,
     /// Only deliveries in this state.
     #[param(pattern = "^(pending|delivered|failed)$")]

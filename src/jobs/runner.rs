@@ -481,6 +481,7 @@ impl ClaimedExport {
             artifact_hours,
             // An incremental export advances the principal's stored cursor as it succeeds.
             stored_cursor: self.plan.chain.as_ref().and(manifest.next_cursor.as_deref()),
+            next_cursor: manifest.next_cursor.as_deref(),
             changes: changes.as_ref(),
         };
         match lease::publish(&self.deps.pool, self.lease, &publication).await? {

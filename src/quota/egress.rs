@@ -20,17 +20,32 @@ pub async fn admit_download(
     event: AuditEvent<'_>,
     now: OffsetDateTime,
 ) -> sqlx::Result<Result<(), Rejection>> {
-    let midnight = now.replace_time(time::Time::MIDNIGHT);
     let mut tx = pool.begin().await?;
-    crate::quota::lock_tenant(&mut tx, tenant.id.as_str()).await?;
-    let wanted = event.bytes.unwrap_or(0);
+    if let Err(rejection) = admit(&mut tx, tenant, event.bytes.unwrap_or(0), now).await? {
+        return Ok(Err(rejection));
+    }
+    insert(&mut *tx, &event).await?;
+    tx.commit().await?;
+    Ok(Ok(()))
+}
+
+/// Adds `bytes` to today's egress inside `tx` if they fit the quota (the tenant's usage row stays
+/// locked until `tx` ends); otherwise how long until the day rolls over.
+pub async fn admit(
+    tx: &mut sqlx::PgConnection,
+    tenant: &Tenant,
+    bytes: u64,
+    now: OffsetDateTime,
+) -> sqlx::Result<Result<(), Rejection>> {
+    let midnight = now.replace_time(time::Time::MIDNIGHT);
+    crate::quota::lock_tenant(tx, tenant.id.as_str()).await?;
     let admitted = sqlx::query!(
         "UPDATE tenant_usage SET egress_day = $2,
              egress_bytes = CASE WHEN egress_day = $2 THEN egress_bytes ELSE 0 END + $3
          WHERE tenant = $1 AND CASE WHEN egress_day = $2 THEN egress_bytes ELSE 0 END + $3 <= $4",
         tenant.id.as_str(),
         now.date(),
-        wanted as i64,
+        i64::try_from(bytes).unwrap_or(i64::MAX),
         i64::try_from(tenant.quota.egress_bytes_per_day).unwrap_or(i64::MAX),
     )
     .execute(&mut *tx)
@@ -41,8 +56,6 @@ pub async fn admit_download(
         let retry_after = Duration::from_secs((tomorrow - now).whole_seconds().max(0) as u64 + 1);
         return Ok(Err(Rejection::Egress { retry_after }));
     }
-    insert(&mut *tx, &event).await?;
-    tx.commit().await?;
     Ok(Ok(()))
 }
 

@@ -2,7 +2,7 @@
 //! rate) and the one [`Rejection`] a refusal is, counted per kind ([`refusals`]). What a tenant
 //! has used is reported by [`crate::usage`], above both this and the export store.
 
-mod egress;
+pub mod egress;
 mod rate;
 pub mod refusals;
 mod rejection;

@@ -10,6 +10,10 @@ use std::io;
 pub enum StoreError {
     #[error("the object store is unavailable: {0}")]
     Unavailable(String),
+    /// The store refused: credentials it does not accept or that may not do this, or a bucket
+    /// that does not exist. Retrying does not help until someone changes something.
+    #[error("the object store refused: {0}")]
+    Refused(String),
     #[error("the stored object `{0}` does not exist")]
     Missing(String),
     #[error("local artifact storage: {0}")]
@@ -17,9 +21,10 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    /// Whether retrying later may succeed (everything but a local disk error).
+    /// Whether retrying later may succeed (everything but a local disk error). For exportd's own
+    /// store a refusal counts too: credentials being rotated come back.
     pub fn is_transient(&self) -> bool {
-        matches!(self, StoreError::Unavailable(_))
+        matches!(self, StoreError::Unavailable(_) | StoreError::Refused(_))
     }
 
     /// Turns the error into an `io::Error` for `std::io::Write` callers, keeping it findable by
@@ -37,7 +42,12 @@ impl From<object_store::Error> for StoreError {
         // The message never holds credentials: object_store redacts them, and keys hold no secrets.
         // A missing object is `Missing` only where a caller asks for one that must exist (reads):
         // elsewhere (an upload the cleaner aborted) retrying is the answer.
-        StoreError::Unavailable(error.to_string())
+        match error {
+            object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. } => {
+                StoreError::Refused(format!("access denied (check the credentials and what they may do): {error}"))
+            }
+            other => StoreError::Unavailable(other.to_string()),
+        }
     }
 }
 

@@ -1,16 +1,18 @@
 //! The artifact store: where export shard files live, whichever backend holds them.
 //!
 //! Two backends behind one type: a local directory (`EXPORTD_DATA_DIR/objects`, the default on
-//! one machine) and S3-compatible object storage (`EXPORTD_STORAGE=s3://bucket/prefix`, for
-//! API and workers on separate hosts). Nothing outside this module knows which one is in use:
+//! one machine) and a bucket in object storage (`EXPORTD_STORAGE=s3://bucket/prefix`, `gs://…`
+//! or `az://…`, for API and workers on separate hosts). Nothing outside this module knows which one is in use:
 //! objects are written through [`ObjectWriter`] and read as byte ranges, and no path escapes.
 //! An object is visible only once complete (rename into place; completed multipart upload).
 
+pub mod bucket;
 mod error;
+
 pub mod lifecycle;
 mod local;
 pub mod ownership;
-mod s3;
+mod remote;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -19,12 +21,24 @@ use bytes::Bytes;
 use futures_util::stream::{BoxStream, StreamExt};
 use sqlx::PgPool;
 
+pub use bucket::{BucketConfig, BucketUrl, Credentials, Provider};
 pub use error::{StoreError, StoreResult, find as find_store_error};
 pub use ownership::{Deployment, OwnershipError};
-pub use s3::S3Config;
+pub use remote::{Remote, RemoteWriter};
 
 use local::{LocalDir, LocalWriter};
-use s3::{RemoteWriter, S3};
+
+/// The artifact store's uploads in `pending_uploads` (partners' buckets have tags of their own).
+const ARTIFACT_STORE_TAG: &str = "";
+
+/// The environment variables holding each cloud's credentials for `EXPORTD_STORAGE`.
+fn credential_names(provider: Provider) -> &'static str {
+    match provider {
+        Provider::S3 => "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+        Provider::Gcs => "GOOGLE_SERVICE_ACCOUNT_KEY",
+        Provider::Azure => "AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY",
+    }
+}
 
 /// Bytes read from a local file per chunk of a download or digest stream.
 const READ_CHUNK: usize = 256 * 1024;
@@ -66,13 +80,15 @@ pub struct StoredObject {
 #[derive(Debug, Clone)]
 pub enum StorageLocation {
     Local(PathBuf),
-    S3(S3Config),
+    Bucket(BucketConfig),
 }
 
 impl StorageLocation {
-    /// `file://<dir>`, `s3://<bucket>[/<prefix>]`, or `None` (= the local `data_dir`). For S3,
-    /// `env` supplies `EXPORTD_S3_ENDPOINT` and the usual `AWS_ACCESS_KEY_ID`,
-    /// `AWS_SECRET_ACCESS_KEY` and `AWS_REGION`.
+    /// `file://<dir>`, `s3://<bucket>[/<prefix>]` (also `gs://`, `az://`), or `None` (= the
+    /// local `data_dir`). `env` supplies the endpoint (`EXPORTD_S3_ENDPOINT`, for any provider)
+    /// and each cloud's usual credentials: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and
+    /// `AWS_REGION`; `GOOGLE_SERVICE_ACCOUNT_KEY`; `AZURE_STORAGE_ACCOUNT_NAME` and
+    /// `AZURE_STORAGE_ACCOUNT_KEY`. Without them the environment's own identity is used.
     pub fn parse(
         url: Option<&str>,
         data_dir: &Path,
@@ -86,41 +102,37 @@ impl StorageLocation {
                 Ok(StorageLocation::Local(PathBuf::from(dir)))
             };
         }
-        let Some(rest) = url.strip_prefix("s3://") else {
-            return Err(format!("`{url}` is neither file://<dir> nor s3://<bucket>[/<prefix>]"));
-        };
-        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-        let prefix = prefix.trim_matches('/');
-        let valid_bucket = (3..=63).contains(&bucket.len())
-            && bucket.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.');
-        if !valid_bucket {
-            return Err(format!("`{bucket}` is not an S3 bucket name (3-63 of a-z 0-9 . -)"));
-        }
-        if !prefix.is_empty() {
-            ObjectKey::parse(prefix)
-                .map_err(|_| format!("the prefix `{prefix}` may only hold [A-Za-z0-9._-] and /"))?;
-        }
+        let url = BucketUrl::parse(url).map_err(|e| format!("{e} (or file://<dir>)"))?;
         let endpoint = env("EXPORTD_S3_ENDPOINT").filter(|e| !e.is_empty());
         if let Some(endpoint) = &endpoint
             && !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
         {
             return Err(format!("EXPORTD_S3_ENDPOINT `{endpoint}` must start with http:// or https://"));
         }
-        Ok(StorageLocation::S3(S3Config {
-            bucket: bucket.to_owned(),
-            prefix: prefix.to_owned(),
-            endpoint,
-            region: env("AWS_REGION").or_else(|| env("AWS_DEFAULT_REGION")).unwrap_or_else(|| "us-east-1".into()),
-            access_key_id: env("AWS_ACCESS_KEY_ID"),
-            secret_access_key: env("AWS_SECRET_ACCESS_KEY"),
-        }))
+        let secret = |name: &str| env(name).map(secrecy::SecretString::from);
+        let credentials = match url.provider {
+            Provider::S3 => match (env("AWS_ACCESS_KEY_ID"), secret("AWS_SECRET_ACCESS_KEY")) {
+                (Some(access_key_id), Some(secret_access_key)) => Credentials::S3 { access_key_id, secret_access_key },
+                _ => Credentials::Ambient,
+            },
+            Provider::Gcs => match secret("GOOGLE_SERVICE_ACCOUNT_KEY") {
+                Some(service_account_key) => Credentials::Gcs { service_account_key },
+                None => Credentials::Ambient,
+            },
+            Provider::Azure => match (env("AZURE_STORAGE_ACCOUNT_NAME"), secret("AZURE_STORAGE_ACCOUNT_KEY")) {
+                (Some(account), Some(access_key)) => Credentials::Azure { account, access_key },
+                _ => Credentials::Ambient,
+            },
+        };
+        let region = env("AWS_REGION").or_else(|| env("AWS_DEFAULT_REGION"));
+        Ok(StorageLocation::Bucket(BucketConfig { url, endpoint, region, credentials }))
     }
 }
 
 #[derive(Debug, Clone)]
 enum Backend {
     Local(LocalDir),
-    S3(S3),
+    Remote(Remote),
 }
 
 /// The artifact store. Cheap to clone.
@@ -153,24 +165,26 @@ impl ArtifactStore {
         let store = match location {
             StorageLocation::Local(dir) => ArtifactStore::open_local(dir)
                 .map_err(|e| anyhow::anyhow!("opening the artifact store in {}: {e}", dir.display()))?,
-            StorageLocation::S3(config) => {
-                let s3 = S3::connect(config.clone(), pool.clone())
-                    .map_err(|e| anyhow::anyhow!("EXPORTD_STORAGE s3://{}: {e}", config.bucket))?;
-                match s3.probe_raw().await {
+            StorageLocation::Bucket(config) => {
+                let remote = Remote::connect(config, bucket::client_options(), ARTIFACT_STORE_TAG, pool.clone())
+                    .map_err(|e| anyhow::anyhow!("EXPORTD_STORAGE {}: {e}", config.url))?;
+                match remote.probe_raw().await {
                     Ok(()) => {}
                     // Wrong keys do not fix themselves: refuse to start rather than fail every export.
                     Err(
                         e
                         @ (object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. }),
                     ) => anyhow::bail!(
-                        "the object store {} denied access: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY \
-                         (and that they may read and write the bucket): {e}",
-                        s3.describe()
+                        "the object store {} denied access: check {} (and that they may read and write the bucket): {e}",
+                        remote.describe(),
+                        credential_names(config.url.provider)
                     ),
                     // Unreachable may pass (a store starting up, a network blip): workers retry.
-                    Err(e) => tracing::warn!(store = s3.describe(), error = %e, "the object store does not answer yet"),
+                    Err(e) => {
+                        tracing::warn!(store = remote.describe(), error = %e, "the object store does not answer yet")
+                    }
                 }
-                ArtifactStore::new(Backend::S3(s3))
+                ArtifactStore::new(Backend::Remote(remote))
             }
         };
         Ok(store)
@@ -195,7 +209,7 @@ impl ArtifactStore {
                     let dir = dir.clone();
                     blocking(move || dir.check()).await
                 }
-                Backend::S3(s3) => s3.probe().await,
+                Backend::Remote(remote) => remote.probe().await,
             }
         };
         let answer = match tokio::time::timeout(HEALTH_PATIENCE, check).await {
@@ -211,7 +225,7 @@ impl ArtifactStore {
     pub fn describe(&self) -> String {
         match &self.backend {
             Backend::Local(dir) => dir.describe(),
-            Backend::S3(s3) => s3.describe(),
+            Backend::Remote(remote) => remote.describe(),
         }
     }
 
@@ -220,7 +234,7 @@ impl ArtifactStore {
     pub fn writer(&self, key: &ObjectKey) -> StoreResult<ObjectWriter> {
         Ok(match &self.backend {
             Backend::Local(dir) => ObjectWriter(WriterBackend::Local(dir.writer(key)?)),
-            Backend::S3(s3) => ObjectWriter(WriterBackend::Remote(Box::new(s3.writer(key)))),
+            Backend::Remote(remote) => ObjectWriter(WriterBackend::Remote(Box::new(remote.writer(key)))),
         })
     }
 
@@ -241,7 +255,7 @@ impl ArtifactStore {
                 })?;
                 Ok(blocking_chunks(reader))
             }
-            Backend::S3(s3) => s3.read(key, offset, len).await,
+            Backend::Remote(remote) => remote.read(key, offset, len).await,
         }
     }
 
@@ -252,7 +266,7 @@ impl ArtifactStore {
                 let (dir, key) = (dir.clone(), key.clone());
                 Ok(blocking(move || dir.read_all(&key)).await?.map(Bytes::from))
             }
-            Backend::S3(s3) => s3.get_small(key).await,
+            Backend::Remote(remote) => remote.get_small(key).await,
         }
     }
 
@@ -263,7 +277,7 @@ impl ArtifactStore {
                 let (dir, key) = (dir.clone(), key.clone());
                 blocking(move || dir.create(&key, &bytes)).await
             }
-            Backend::S3(s3) => s3.create(key, bytes).await,
+            Backend::Remote(remote) => remote.create(key, bytes).await,
         }
     }
 
@@ -274,7 +288,7 @@ impl ArtifactStore {
                 let (dir, key) = (dir.clone(), key.clone());
                 blocking(move || dir.digest(&key)).await
             }
-            Backend::S3(s3) => s3.digest(key).await,
+            Backend::Remote(remote) => remote.digest(key).await,
         }
     }
 
@@ -285,7 +299,7 @@ impl ArtifactStore {
                 let (dir, key) = (dir.clone(), key.clone());
                 blocking(move || dir.delete(&key)).await
             }
-            Backend::S3(s3) => s3.delete(key).await,
+            Backend::Remote(remote) => remote.delete(key).await,
         }
     }
 
@@ -296,7 +310,7 @@ impl ArtifactStore {
                 let (dir, prefix) = (dir.clone(), prefix.cloned());
                 blocking(move || dir.list(prefix.as_ref())).await
             }
-            Backend::S3(s3) => s3.list(prefix).await,
+            Backend::Remote(remote) => remote.list(prefix).await,
         }
     }
 
@@ -321,7 +335,7 @@ impl ArtifactStore {
                 let dir = dir.clone();
                 blocking(move || dir.sweep_abandoned(age)).await
             }
-            Backend::S3(s3) => s3.sweep_abandoned(age).await,
+            Backend::Remote(remote) => remote.sweep_abandoned(age).await,
         }
     }
 }
@@ -424,12 +438,19 @@ mod tests {
         assert!(
             matches!(StorageLocation::parse(None, data, env), Ok(StorageLocation::Local(p)) if p.starts_with(data))
         );
-        let Ok(StorageLocation::S3(s3)) = StorageLocation::parse(Some("s3://exports/prod/eu"), data, env) else {
+        let Ok(StorageLocation::Bucket(s3)) = StorageLocation::parse(Some("s3://exports/prod/eu"), data, env) else {
             panic!("s3 url not parsed")
         };
-        assert_eq!((s3.bucket.as_str(), s3.prefix.as_str(), s3.region.as_str()), ("exports", "prod/eu", "us-east-1"));
+        assert_eq!(
+            (s3.url.provider, s3.url.bucket.as_str(), s3.url.prefix.as_str()),
+            (Provider::S3, "exports", "prod/eu")
+        );
         assert_eq!(s3.endpoint.as_deref(), Some("http://127.0.0.1:8333"));
-        for bad in ["s3://E", "s3://exports/../x", "gs://b", "file://"] {
+        let Ok(StorageLocation::Bucket(gcs)) = StorageLocation::parse(Some("gs://exports-eu"), data, env) else {
+            panic!("gs url not parsed")
+        };
+        assert_eq!(gcs.url.provider, Provider::Gcs);
+        for bad in ["s3://E", "s3://exports/../x", "ftp://bucket", "file://"] {
             assert!(StorageLocation::parse(Some(bad), data, env).is_err(), "{bad} accepted");
         }
         let bad_endpoint = |_: &str| Some("127.0.0.1:8333".to_owned());

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
+use super::destinations::{self, Destination, DestinationFile, Subscription, SubscriptionFile};
 use super::webhooks::{self, WebhookEndpoint, WebhookFile};
 use crate::masking::{ColumnHasher, ColumnPolicy, ColumnRule};
 use crate::schemas::DatasetVersions;
@@ -36,6 +37,10 @@ struct TenantFile {
     auth: Auth,
     #[serde(default)]
     webhooks: Vec<WebhookFile>,
+    #[serde(default)]
+    destinations: Vec<DestinationFile>,
+    #[serde(default)]
+    subscriptions: Vec<SubscriptionFile>,
     /// The secret partners' hash keys derive from (needed by `hash` column rules).
     masking: Option<MaskingFile>,
 }
@@ -195,6 +200,26 @@ fn load_tenant(path: &Path, schemas: &BTreeMap<DatasetName, Arc<DatasetSchema>>)
         webhooks.push(endpoint);
     }
 
+    let mut tenant_destinations: Vec<Destination> = Vec::new();
+    for (i, raw_destination) in raw.destinations.into_iter().enumerate() {
+        let destination = destinations::destination(path, i, raw_destination, |p| principals.get(p).map(|p| p.role))?;
+        if tenant_destinations.iter().any(|d| d.name == destination.name) {
+            let why = format!("duplicate destination `{}`", destination.name);
+            return Err(error(path, &format!("destinations[{i}].name"), why));
+        }
+        tenant_destinations.push(destination);
+    }
+    let mut subscriptions: Vec<Subscription> = Vec::new();
+    for (i, raw_subscription) in raw.subscriptions.into_iter().enumerate() {
+        let granted = |p: &PrincipalId, d: &DatasetName| principals.get(p).is_some_and(|p| p.is_granted(d));
+        let subscription = destinations::subscription(path, i, raw_subscription, &tenant_destinations, granted)?;
+        if subscriptions.iter().any(|s| s.name == subscription.name) {
+            let why = format!("duplicate subscription `{}`", subscription.name);
+            return Err(error(path, &format!("subscriptions[{i}].name"), why));
+        }
+        subscriptions.push(subscription);
+    }
+
     let versions = datasets
         .iter()
         .map(|(name, schema)| (name.clone(), Arc::new(DatasetVersions::provisional(schema.clone()))))
@@ -211,6 +236,8 @@ fn load_tenant(path: &Path, schemas: &BTreeMap<DatasetName, Arc<DatasetSchema>>)
         feeds: raw.feeds,
         auth: raw.auth,
         webhooks,
+        destinations: tenant_destinations,
+        subscriptions,
     })
 }
 

@@ -2,6 +2,7 @@
 //! Loaded and validated once at start-up; any error names the file and the field.
 
 mod dataset;
+mod destinations;
 mod file;
 mod names;
 mod settings;
@@ -13,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use dataset::{Column, ColumnType, DatasetSchema};
+pub use destinations::{Destination, SecretRef, Subscription};
 pub use names::{ColumnName, DatasetName, PrincipalId, TenantId};
 pub use settings::{Auth, Feeds, Quota, Retention};
 pub use webhooks::{WebhookEndpoint, WebhookEvent};
@@ -137,6 +139,10 @@ pub struct Tenant {
     pub auth: Auth,
     /// `[[webhooks]]`: endpoints told about export and feed events.
     pub webhooks: Vec<WebhookEndpoint>,
+    /// `[[destinations]]`: partners' own buckets.
+    pub destinations: Vec<Destination>,
+    /// `[[subscriptions]]`: what is delivered into them.
+    pub subscriptions: Vec<Subscription>,
 }
 
 impl Tenant {
@@ -169,6 +175,10 @@ impl Tenant {
 
     pub fn webhook(&self, name: &str) -> Option<&WebhookEndpoint> {
         self.webhooks.iter().find(|w| w.name == name)
+    }
+
+    pub fn destination(&self, name: &str) -> Option<&Destination> {
+        self.destinations.iter().find(|d| d.name == name)
     }
 }
 

@@ -33,10 +33,16 @@ pub enum WebhookEvent {
     /// A dataset's schema has a new version (announced before any export or page uses it).
     #[serde(rename = "schema.changed")]
     SchemaChanged,
+    /// An export is in a partner's bucket, verified, `_SUCCESS` written.
+    #[serde(rename = "delivery.succeeded")]
+    DeliverySucceeded,
+    /// A delivery gave up (a refusal, or passing errors for `EXPORTD_DELIVERY_RETRY_FOR`).
+    #[serde(rename = "delivery.failed")]
+    DeliveryFailed,
 }
 
 impl WebhookEvent {
-    pub const ALL: [WebhookEvent; 7] = [
+    pub const ALL: [WebhookEvent; 9] = [
         WebhookEvent::ExportSucceeded,
         WebhookEvent::ExportFailed,
         WebhookEvent::ExportCancelled,
@@ -44,6 +50,8 @@ impl WebhookEvent {
         WebhookEvent::ExportRevoked,
         WebhookEvent::FeedLagging,
         WebhookEvent::SchemaChanged,
+        WebhookEvent::DeliverySucceeded,
+        WebhookEvent::DeliveryFailed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -55,6 +63,8 @@ impl WebhookEvent {
             WebhookEvent::ExportRevoked => "export.revoked",
             WebhookEvent::FeedLagging => "feed.lagging",
             WebhookEvent::SchemaChanged => "schema.changed",
+            WebhookEvent::DeliverySucceeded => "delivery.succeeded",
+            WebhookEvent::DeliveryFailed => "delivery.failed",
         }
     }
 

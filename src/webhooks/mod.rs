@@ -8,7 +8,6 @@
 //!   per endpoint, oldest first), attempts them, and records each outcome under its lease:
 //!   delivered, or retried with exponential, jittered backoff until the give-up time, then failed.
 
-pub mod guard;
 pub mod lag;
 pub mod outbox;
 pub mod send;
@@ -23,8 +22,8 @@ use tracing::Instrument;
 
 use crate::clock::Clock;
 use crate::config::WebhookSettings;
+use crate::guard::AddressGuard;
 use crate::tenants::Registry;
-use guard::AddressGuard;
 use outbox::{Attempt, Outcome};
 use send::Sender;
 
@@ -128,8 +127,8 @@ impl Deliverer {
 }
 
 /// How long to wait after failed attempt number `attempt` (1-based): `first` × 4^(attempt-1),
-/// at most two hours, plus up to as much again of jitter.
-fn retry_delay(first: Duration, attempt: i32) -> Duration {
+/// at most two hours, plus up to as much again of jitter. Bucket deliveries back off alike.
+pub(crate) fn retry_delay(first: Duration, attempt: i32) -> Duration {
     let steps = usize::try_from(attempt.max(1) - 1).unwrap_or(0);
     backon::ExponentialBuilder::new()
         .with_min_delay(first)

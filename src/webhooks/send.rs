@@ -5,9 +5,9 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use super::guard::{AddressGuard, GuardedResolver};
 use super::outbox::Outcome;
 use super::signing;
+use crate::guard::{AddressGuard, GuardedResolver};
 use crate::tenants::WebhookEndpoint;
 
 pub struct Sender {

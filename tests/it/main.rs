@@ -10,6 +10,7 @@ mod cli_errors;
 mod client;
 mod column_policies;
 mod dashboard;
+mod deliveries;
 mod downloads;
 mod exports;
 mod feeds;

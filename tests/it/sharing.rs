@@ -259,6 +259,8 @@ async fn listings_versions_files_and_errors_follow_the_protocol(pool: PgPool) {
         ),
         (query(&app, &zen, &json!({"jsonPredicateHints": "{\"op\": \"equal\"}"})).await, "INVALID_PARAMETER_VALUE"),
         (query(&app, &zen, &json!({"limitHint": "ten"})).await, "MALFORMED_REQUEST"),
+        // An array of the fields in order is not a query object (serde alone would take it).
+        (query(&app, &zen, &json!([null, null, null, null, null, null, null])).await, "MALFORMED_REQUEST"),
         (query(&app, &zen, &json!({"startingVersion": 0})).await, "UNSUPPORTED_OPERATION"),
         (app.get(Some(&zen), &format!("{TABLE}/changes")).await, "INVALID_PARAMETER_VALUE"),
         (app.get(Some(&zen), &format!("{TABLE}/changes?startingVersion=1")).await, "INVALID_PARAMETER_VALUE"),

@@ -375,7 +375,7 @@ async fn behind_proxy(pool: PgPool) -> (TestApp, OutageProxy) {
     let app = TestApp::spawn_at(pool, |_| {
         let mut config = crate::common::s3_config(&format!("test-{}", uuid::Uuid::new_v4().simple()));
         config.endpoint = Some(via_proxy);
-        StorageLocation::S3(config)
+        StorageLocation::Bucket(config)
     })
     .await;
     (app, proxy)
@@ -500,17 +500,18 @@ async fn a_hanging_store_is_answered_with_503_and_shown_by_healthz(pool: PgPool)
 #[sqlx::test(migrations = "./migrations")]
 async fn a_store_that_refuses_the_credentials_stops_start_up_saying_what_to_check(pool: PgPool) {
     use exportd::storage::ArtifactStore;
-    let wrong = exportd::storage::S3Config {
-        secret_access_key: Some("not-the-secret".into()),
-        ..crate::common::s3_config("refused")
-    };
-    let Err(error) = ArtifactStore::connect(&StorageLocation::S3(wrong), &pool).await else { panic!("refused") };
+    let mut wrong = crate::common::s3_config("refused");
+    let exportd::storage::Credentials::S3 { secret_access_key, .. } = &mut wrong.credentials else { unreachable!() };
+    *secret_access_key = "not-the-secret".to_owned().into();
+    let Err(error) = ArtifactStore::connect(&StorageLocation::Bucket(wrong), &pool).await else { panic!("refused") };
     let message = format!("{error:#}");
     assert!(message.contains("denied access") && message.contains("AWS_SECRET_ACCESS_KEY"), "{message}");
     assert!(!message.contains("not-the-secret"), "the secret is never repeated: {message}");
-    let none =
-        exportd::storage::S3Config { access_key_id: None, secret_access_key: None, ..crate::common::s3_config("none") };
-    let Err(error) = ArtifactStore::connect(&StorageLocation::S3(none), &pool).await else { panic!("refused") };
+    let none = exportd::storage::BucketConfig {
+        credentials: exportd::storage::Credentials::Ambient,
+        ..crate::common::s3_config("none")
+    };
+    let Err(error) = ArtifactStore::connect(&StorageLocation::Bucket(none), &pool).await else { panic!("refused") };
     let message = format!("{error:#}");
     assert!(message.contains("no credentials") && message.contains("AWS_ACCESS_KEY_ID"), "{message}");
     assert!(!message.contains("169.254"), "{message}");

@@ -34,6 +34,8 @@ pub struct NewJob<'a> {
     pub start_from: Option<&'a str>,
     pub start_after: Option<&'a str>,
     pub until_tick: Option<i64>,
+    /// The subscription whose schedule creates it (see [`crate::delivery`]).
+    pub subscription_id: Option<Uuid>,
 }
 
 /// The tenant's QUEUED jobs, and how many of them are the principal's.
@@ -65,9 +67,9 @@ pub async fn insert(tx: &mut PgConnection, job: &NewJob<'_>) -> sqlx::Result<Ins
         "INSERT INTO export_jobs (id, tenant, principal, dataset, mode, format, codec, request, request_sha256,
              idempotency_key, columns, filter, row_filter, shard_rows, watermark,
              from_cursor, start_from, start_after, until_tick, schema_sha256, exportd_version, column_policy,
-             schema_version)
+             schema_version, subscription_id)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, pg_current_snapshot(), $15, $16, $17, $18,
-             $19, $20, $21, $22)
+             $19, $20, $21, $22, $23)
          ON CONFLICT ON CONSTRAINT export_jobs_idempotency_key DO NOTHING
          RETURNING",
         "",
@@ -93,6 +95,7 @@ pub async fn insert(tx: &mut PgConnection, job: &NewJob<'_>) -> sqlx::Result<Ins
         job.exportd_version,
         job.column_policy,
         job.schema_version,
+        job.subscription_id,
     )
     .fetch_optional(tx)
     .await;

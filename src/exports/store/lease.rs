@@ -298,6 +298,8 @@ pub struct Publication<'a> {
     pub artifact_hours: u32,
     /// Incremental exports: the cursor to store for the principal and dataset.
     pub stored_cursor: Option<&'a str>,
+    /// The manifest's `next_cursor`: where a subscription's chain goes on from this export.
+    pub next_cursor: Option<&'a str>,
     /// Table versions: what changed since the version before (Delta Sharing).
     pub changes: Option<&'a crate::sharing::ChangeFile>,
 }
@@ -314,7 +316,7 @@ pub async fn publish(pool: &PgPool, lease: Lease, p: &Publication<'_>) -> sqlx::
              finished_at = now(), lease_owner = NULL, lease_expires_at = NULL
          WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING'
            AND plan_complete AND shards_done >= planned_shards
-         RETURNING tenant, principal, dataset",
+         RETURNING tenant, principal, dataset, subscription_id",
         lease.job_id,
         lease.generation,
         p.manifest,
@@ -331,8 +333,14 @@ pub async fn publish(pool: &PgPool, lease: Lease, p: &Publication<'_>) -> sqlx::
     let Some(job) = published else {
         return Ok(Err(LeaseLost));
     };
-    if let Some(cursor) = p.stored_cursor {
-        crate::exports::store_cursor(&mut tx, &job.tenant, &job.principal, &job.dataset, cursor).await?;
+    match (job.subscription_id, p.stored_cursor) {
+        // A subscription's export moves the subscription's chain, never the principal's own
+        // cursor: the partner's pulls and the scheduled deliveries do not skip each other's changes.
+        (Some(subscription), _) => crate::delivery::advance_chain(&mut tx, subscription, p.next_cursor).await?,
+        (None, Some(cursor)) => {
+            crate::exports::store_cursor(&mut tx, &job.tenant, &job.principal, &job.dataset, cursor).await?
+        }
+        (None, None) => {}
     }
     // A full Parquet export of the whole dataset is also the next version of the principal's
     // shared table (Delta Sharing), in the same transaction as its publication.

@@ -16,7 +16,7 @@ use exportd::http::{self, AppState};
 use exportd::jobs::{Step, WorkerConfig, WorkerDeps};
 use exportd::links::LinkKeys;
 use exportd::quota::ScanLimits;
-use exportd::storage::{ArtifactStore, ObjectKey, S3Config, StorageLocation};
+use exportd::storage::{ArtifactStore, BucketConfig, BucketUrl, Credentials, ObjectKey, Provider, StorageLocation};
 use exportd::tenants::{Registry, Tenant};
 use serde_json::Value;
 use sqlx::PgPool;
@@ -53,19 +53,20 @@ pub enum Backend {
 
 /// The test S3 store (SeaweedFS, started by scripts/test), under a prefix of its own so tests
 /// never see each other's objects.
-pub fn s3_config(prefix: &str) -> S3Config {
+pub fn s3_config(prefix: &str) -> BucketConfig {
     let var = |name: &str| {
         std::env::var(name).unwrap_or_else(|_| {
             panic!("{name} is not set: run the tests with scripts/test, which starts SeaweedFS and sets it")
         })
     };
-    S3Config {
-        bucket: var("EXPORTD_TEST_S3_BUCKET"),
-        prefix: prefix.to_owned(),
+    BucketConfig {
+        url: BucketUrl { provider: Provider::S3, bucket: var("EXPORTD_TEST_S3_BUCKET"), prefix: prefix.to_owned() },
         endpoint: Some(var("EXPORTD_TEST_S3_ENDPOINT")),
-        region: "us-east-1".into(),
-        access_key_id: Some(var("EXPORTD_TEST_S3_ACCESS_KEY_ID")),
-        secret_access_key: Some(var("EXPORTD_TEST_S3_SECRET_ACCESS_KEY")),
+        region: None,
+        credentials: Credentials::S3 {
+            access_key_id: var("EXPORTD_TEST_S3_ACCESS_KEY_ID"),
+            secret_access_key: var("EXPORTD_TEST_S3_SECRET_ACCESS_KEY").into(),
+        },
     }
 }
 
@@ -73,7 +74,7 @@ pub fn s3_config(prefix: &str) -> S3Config {
 pub fn fresh_location(backend: Backend, data_dir: &Path) -> StorageLocation {
     match backend {
         Backend::Local => StorageLocation::Local(data_dir.to_owned()),
-        Backend::S3 => StorageLocation::S3(s3_config(&format!("test-{}", uuid::Uuid::new_v4().simple()))),
+        Backend::S3 => StorageLocation::Bucket(s3_config(&format!("test-{}", uuid::Uuid::new_v4().simple()))),
     }
 }
 

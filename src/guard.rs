@@ -1,21 +1,36 @@
-//! SSRF protection: a webhook URL is the tenant's to choose, so where it may lead is ours. Every
-//! address an attempt would connect to — after DNS, on every attempt, so a name re-pointed at
-//! an internal address is caught — must be public, or inside a network the operator allowed.
+//! SSRF protection: a webhook URL or a partner's bucket endpoint is the tenant's to choose, so
+//! where it may lead is ours. Every address a request would connect to — after DNS, on every
+//! connection, so a name re-pointed at an internal address is caught — must be public, or inside
+//! a network the operator allowed.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 
 use ipnet::IpNet;
 
-/// The operator's exceptions (`EXPORTD_WEBHOOK_ALLOW_NETS`).
-#[derive(Debug, Clone, Default)]
+/// The operator's exceptions (`EXPORTD_WEBHOOK_ALLOW_NETS`, `EXPORTD_DELIVERY_ALLOW_NETS`).
+#[derive(Debug, Clone)]
 pub struct AddressGuard {
     allowed: Vec<IpNet>,
+    /// The setting that allows more, named in refusals.
+    setting: &'static str,
+}
+
+impl Default for AddressGuard {
+    fn default() -> Self {
+        AddressGuard::new(Vec::new())
+    }
 }
 
 impl AddressGuard {
+    /// The webhooks' guard.
     pub fn new(allowed: Vec<IpNet>) -> AddressGuard {
-        AddressGuard { allowed }
+        AddressGuard { allowed, setting: "EXPORTD_WEBHOOK_ALLOW_NETS" }
+    }
+
+    /// A guard whose refusals name `setting` as the way to allow more.
+    pub fn named(allowed: Vec<IpNet>, setting: &'static str) -> AddressGuard {
+        AddressGuard { allowed, setting }
     }
 
     /// `Err` names why `ip` may not be connected to.
@@ -23,7 +38,7 @@ impl AddressGuard {
         let ip = canonical(ip);
         match non_public_kind(ip) {
             Some(kind) if !self.allowed.iter().any(|net| net.contains(&ip)) => {
-                Err(format!("refused: {ip} is a {kind} address (allow it with EXPORTD_WEBHOOK_ALLOW_NETS)"))
+                Err(format!("refused: {ip} is a {kind} address (allow it with {})", self.setting))
             }
             _ => Ok(()),
         }
@@ -99,8 +114,30 @@ fn v6_kind(ip: Ipv6Addr) -> Option<&'static str> {
     }
 }
 
-/// The HTTP client's resolver: the system's answer, with every refused address removed; a name
-/// with nothing left fails the attempt with the first refusal's reason.
+/// The system's answer for `host`, with every address `guard` refuses removed; nothing left is
+/// an error with the first refusal's reason.
+async fn resolve_allowed(guard: &AddressGuard, host: &str) -> Result<Vec<SocketAddr>, String> {
+    let found: Vec<SocketAddr> =
+        tokio::net::lookup_host((host, 0)).await.map_err(|e| format!("{host}: {e}"))?.collect();
+    let mut refusal = None;
+    let allowed: Vec<SocketAddr> = found
+        .into_iter()
+        .filter(|addr| match guard.check(addr.ip()) {
+            Ok(()) => true,
+            Err(reason) => {
+                refusal.get_or_insert(reason);
+                false
+            }
+        })
+        .collect();
+    if allowed.is_empty() {
+        let reason = refusal.unwrap_or_else(|| "the name resolves to no address".into());
+        return Err(format!("{host}: {reason}"));
+    }
+    Ok(allowed)
+}
+
+/// The webhook client's resolver (see [`resolve_allowed`]).
 pub struct GuardedResolver(pub Arc<AddressGuard>);
 
 impl reqwest::dns::Resolve for GuardedResolver {
@@ -108,23 +145,22 @@ impl reqwest::dns::Resolve for GuardedResolver {
         let guard = self.0.clone();
         let host = name.as_str().to_owned();
         Box::pin(async move {
-            let found: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
-            let mut refusal = None;
-            let allowed: Vec<SocketAddr> = found
-                .into_iter()
-                .filter(|addr| match guard.check(addr.ip()) {
-                    Ok(()) => true,
-                    Err(reason) => {
-                        refusal.get_or_insert(reason);
-                        false
-                    }
-                })
-                .collect();
-            if allowed.is_empty() {
-                let reason = refusal.unwrap_or_else(|| "the name resolves to no address".into());
-                return Err(format!("{host}: {reason}").into());
-            }
+            let allowed = resolve_allowed(&guard, &host).await?;
             Ok(Box::new(allowed.into_iter()) as reqwest::dns::Addrs)
+        })
+    }
+}
+
+/// The object store client's resolver, for partners' buckets (see [`resolve_allowed`]).
+#[derive(Debug)]
+pub struct GuardedStoreResolver(pub Arc<AddressGuard>);
+
+impl object_store::client::DnsResolver for GuardedStoreResolver {
+    fn resolve(&self, host: &str) -> object_store::client::DnsFuture {
+        let (guard, host) = (self.0.clone(), host.to_owned());
+        Box::pin(async move {
+            let allowed = resolve_allowed(&guard, &host).await?;
+            Ok(allowed.into_iter().map(|addr| addr.ip()).collect())
         })
     }
 }

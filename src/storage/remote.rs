@@ -1,26 +1,26 @@
-//! The S3-compatible backend, through `object_store` (SigV4, retries and multipart are its job).
+//! The object-storage backend, one generic code path for every cloud: an `object_store`
+//! store built by [`super::bucket`] (SigV4 or the cloud's own signing, retries and multipart are
+//! its job) behind `Arc<dyn RemoteObjects>`. exportd's artifact store and partners' buckets
+//! (deliveries) both go through it.
 //!
 //! Objects are written with multipart uploads, so a reader never sees a partial object: it
 //! appears when the upload completes. Uploads in progress are registered in PostgreSQL
-//! (`pending_uploads`) so the cleaner can abort the ones whose writer died.
+//! (`pending_uploads`, under the store's tag) so the cleaner can abort the ones whose writer died.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::stream::{BoxStream, StreamExt, TryStreamExt};
-use object_store::aws::{AmazonS3, AmazonS3Builder};
-use object_store::multipart::{MultipartStore, PartId};
+use object_store::multipart::PartId;
 use object_store::path::Path;
-use object_store::{
-    BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
-    RetryConfig,
-};
+use object_store::{GetOptions, GetRange, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 use tokio::runtime::Handle;
 use tokio::task::JoinSet;
 
+use super::bucket::{BucketConfig, RemoteObjects};
 use super::error::{StoreError, StoreResult};
 use super::{ObjectKey, StoredObject};
 
@@ -29,86 +29,53 @@ const PART_BYTES: usize = 8 * 1024 * 1024;
 /// Parts uploading while the encoder fills the next one: memory is (1 + this) × PART_BYTES.
 const PARTS_IN_FLIGHT: usize = 2;
 
-/// Where and how to reach the bucket. Credentials never appear in `Debug`.
+/// A bucket (under a prefix) reached through `object_store`. Cheap to clone.
 #[derive(Clone)]
-pub struct S3Config {
-    pub bucket: String,
-    /// Key prefix inside the bucket (no leading or trailing `/`; may be empty).
-    pub prefix: String,
-    /// e.g. `http://127.0.0.1:8333` for SeaweedFS or MinIO; `None` = AWS.
-    pub endpoint: Option<String>,
-    pub region: String,
-    pub access_key_id: Option<String>,
-    pub secret_access_key: Option<String>,
-}
-
-impl std::fmt::Debug for S3Config {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("S3Config")
-            .field("bucket", &self.bucket)
-            .field("prefix", &self.prefix)
-            .field("endpoint", &self.endpoint)
-            .field("region", &self.region)
-            .finish_non_exhaustive()
-    }
-}
-
-#[derive(Debug, Clone)]
-pub(super) struct S3 {
-    store: Arc<AmazonS3>,
-    config: Arc<S3Config>,
+pub struct Remote {
+    store: Arc<dyn RemoteObjects>,
+    prefix: Arc<str>,
+    described: Arc<str>,
+    /// Which store's uploads are ours in `pending_uploads` ('' = the artifact store).
+    tag: Arc<str>,
     pool: PgPool,
 }
 
-impl S3 {
-    pub(super) fn connect(config: S3Config, pool: PgPool) -> anyhow::Result<S3> {
-        let mut builder = AmazonS3Builder::new()
-            .with_bucket_name(&config.bucket)
-            .with_region(&config.region)
-            .with_virtual_hosted_style_request(false)
-            // Short: a worker's lease is 30 s by default, and it retries whole steps itself.
-            .with_retry(RetryConfig {
-                backoff: BackoffConfig::default(),
-                max_retries: 2,
-                retry_timeout: Duration::from_secs(15),
-            })
-            .with_client_options(
-                ClientOptions::new().with_connect_timeout(Duration::from_secs(5)).with_timeout(Duration::from_secs(30)),
-            );
-        if let Some(endpoint) = &config.endpoint {
-            builder = builder.with_endpoint(endpoint).with_allow_http(endpoint.starts_with("http://"));
-        }
-        match (&config.access_key_id, &config.secret_access_key) {
-            (Some(id), Some(secret)) => builder = builder.with_access_key_id(id).with_secret_access_key(secret),
-            // Without keys object_store asks the cloud's instance metadata (169.254.169.254),
-            // which an S3-compatible server elsewhere does not have: say what to set instead.
-            _ if config.endpoint.is_some() => anyhow::bail!(
-                "no credentials for the object store at {}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
-                config.endpoint.as_deref().unwrap_or_default()
-            ),
-            _ => {}
-        }
-        Ok(S3 { store: Arc::new(builder.build()?), config: Arc::new(config), pool })
+impl std::fmt::Debug for Remote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Remote").field("store", &self.described).finish_non_exhaustive()
+    }
+}
+
+impl Remote {
+    /// The bucket of `config`, its uploads registered in `pool` under `tag`.
+    pub fn connect(
+        config: &BucketConfig,
+        options: object_store::ClientOptions,
+        tag: &str,
+        pool: PgPool,
+    ) -> anyhow::Result<Remote> {
+        Ok(Remote {
+            store: config.build(options)?,
+            prefix: config.url.prefix.as_str().into(),
+            described: config.describe().into(),
+            tag: tag.into(),
+            pool,
+        })
     }
 
-    pub(super) fn describe(&self) -> String {
-        let endpoint = self.config.endpoint.as_deref().map(|e| format!(" at {e}")).unwrap_or_default();
-        format!("s3://{}/{}{endpoint}", self.config.bucket, self.config.prefix)
+    pub fn describe(&self) -> String {
+        self.described.to_string()
     }
 
     fn path(&self, key: &str) -> Path {
-        if self.config.prefix.is_empty() {
-            Path::from(key)
-        } else {
-            Path::from(format!("{}/{key}", self.config.prefix))
-        }
+        if self.prefix.is_empty() { Path::from(key) } else { Path::from(format!("{}/{key}", self.prefix)) }
     }
 
     fn prefix_path(&self, prefix: Option<&ObjectKey>) -> Option<Path> {
         match prefix {
             Some(key) => Some(self.path(key.as_str())),
-            None if self.config.prefix.is_empty() => None,
-            None => Some(Path::from(self.config.prefix.as_str())),
+            None if self.prefix.is_empty() => None,
+            None => Some(Path::from(&*self.prefix)),
         }
     }
 
@@ -117,17 +84,18 @@ impl S3 {
         self.probe_raw().await.map_err(Into::into)
     }
 
-    /// [`S3::probe`] with object_store's own error, whose kind says whether access was denied.
-    pub(super) async fn probe_raw(&self) -> Result<(), object_store::Error> {
+    /// [`Remote::probe`] with object_store's own error, whose kind says whether access was denied.
+    pub async fn probe_raw(&self) -> Result<(), object_store::Error> {
         match self.store.head(&self.path("exportd-probe")).await {
             Ok(_) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(e),
         }
     }
 
-    pub(super) fn writer(&self, key: &ObjectKey) -> RemoteWriter {
+    /// An upload of `key`: written in parts, visible whole once finished.
+    pub fn writer(&self, key: &ObjectKey) -> RemoteWriter {
         RemoteWriter {
-            s3: self.clone(),
+            remote: self.clone(),
             path: self.path(key.as_str()),
             handle: Handle::current(),
             buf: Vec::with_capacity(PART_BYTES),
@@ -137,7 +105,22 @@ impl S3 {
         }
     }
 
-    pub(super) async fn read(
+    /// The size of the stored object `key`, or `None` when it does not exist.
+    pub async fn size(&self, key: &ObjectKey) -> StoreResult<Option<u64>> {
+        match self.store.head(&self.path(key.as_str())).await {
+            Ok(meta) => Ok(Some(meta.size)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Writes a small object whole (a marker, a manifest), replacing any.
+    pub async fn put_small(&self, key: &ObjectKey, bytes: Bytes) -> StoreResult<()> {
+        self.store.put(&self.path(key.as_str()), PutPayload::from(bytes)).await?;
+        Ok(())
+    }
+
+    pub async fn read(
         &self,
         key: &ObjectKey,
         offset: u64,
@@ -155,7 +138,7 @@ impl S3 {
         Ok(result.into_stream().map_err(StoreError::from).boxed())
     }
 
-    pub(super) async fn digest(&self, key: &ObjectKey) -> StoreResult<Option<(u64, String)>> {
+    pub async fn digest(&self, key: &ObjectKey) -> StoreResult<Option<(u64, String)>> {
         let mut stream = match self.store.get(&self.path(key.as_str())).await {
             Ok(result) => result.into_stream(),
             Err(object_store::Error::NotFound { .. }) => return Ok(None),
@@ -170,7 +153,7 @@ impl S3 {
     }
 
     /// A small object's bytes, or `None` when it does not exist.
-    pub(super) async fn get_small(&self, key: &ObjectKey) -> StoreResult<Option<Bytes>> {
+    pub async fn get_small(&self, key: &ObjectKey) -> StoreResult<Option<Bytes>> {
         match self.store.get(&self.path(key.as_str())).await {
             Ok(result) => Ok(Some(result.bytes().await?)),
             Err(object_store::Error::NotFound { .. }) => Ok(None),
@@ -181,7 +164,7 @@ impl S3 {
     /// Writes a small object only if none exists (`If-None-Match: *`; a store without
     /// conditional writes overwrites, and the caller reads back what won). Returns whether this
     /// call wrote it.
-    pub(super) async fn create(&self, key: &ObjectKey, bytes: Vec<u8>) -> StoreResult<bool> {
+    pub async fn create(&self, key: &ObjectKey, bytes: Vec<u8>) -> StoreResult<bool> {
         let path = self.path(key.as_str());
         let options = PutOptions { mode: PutMode::Create, ..PutOptions::default() };
         match self.store.put_opts(&path, PutPayload::from(bytes.clone()), options).await {
@@ -195,7 +178,7 @@ impl S3 {
         }
     }
 
-    pub(super) async fn delete(&self, key: &ObjectKey) -> StoreResult<u64> {
+    pub async fn delete(&self, key: &ObjectKey) -> StoreResult<u64> {
         let path = self.path(key.as_str());
         let bytes = match self.store.head(&path).await {
             Ok(meta) => meta.size,
@@ -208,8 +191,8 @@ impl S3 {
         }
     }
 
-    pub(super) async fn list(&self, prefix: Option<&ObjectKey>) -> StoreResult<Vec<StoredObject>> {
-        let strip = if self.config.prefix.is_empty() { String::new() } else { format!("{}/", self.config.prefix) };
+    pub async fn list(&self, prefix: Option<&ObjectKey>) -> StoreResult<Vec<StoredObject>> {
+        let strip = if self.prefix.is_empty() { String::new() } else { format!("{}/", self.prefix) };
         let metas: Vec<_> = self.store.list(self.prefix_path(prefix).as_ref()).try_collect().await?;
         Ok(metas
             .into_iter()
@@ -221,10 +204,12 @@ impl S3 {
     }
 
     /// Aborts uploads whose writer has not sent a part for `age`. Returns how many.
-    pub(super) async fn sweep_abandoned(&self, age: Duration) -> StoreResult<(u64, u64)> {
+    pub async fn sweep_abandoned(&self, age: Duration) -> StoreResult<(u64, u64)> {
         let stale = sqlx::query!(
-            "SELECT upload_id, object_path FROM pending_uploads WHERE touched_at < now() - make_interval(secs => $1)",
+            "SELECT upload_id, object_path FROM pending_uploads
+              WHERE store = $2 AND touched_at < now() - make_interval(secs => $1)",
             age.as_secs_f64(),
+            &*self.tag,
         )
         .fetch_all(&self.pool)
         .await
@@ -236,17 +221,18 @@ impl S3 {
                 Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                 Err(e) => return Err(e.into()),
             }
-            forget_upload(&self.pool, &upload_id).await?;
+            forget_upload(self, &upload_id).await?;
             aborted += 1;
         }
         Ok((aborted, 0))
     }
 }
 
-/// An object being uploaded, written from a blocking thread (the shard encoder). Full parts go
-/// up in the background while the next one fills.
-pub(super) struct RemoteWriter {
-    s3: S3,
+/// An object being uploaded: from a blocking thread (the shard encoder, through
+/// `std::io::Write`) or from async code ([`RemoteWriter::push`], [`RemoteWriter::complete`]).
+/// Full parts go up in the background while the next one fills.
+pub struct RemoteWriter {
+    remote: Remote,
     path: Path,
     handle: Handle,
     buf: Vec<u8>,
@@ -263,11 +249,26 @@ impl RemoteWriter {
         handle.block_on(self.complete())
     }
 
-    async fn complete(&mut self) -> StoreResult<()> {
+    /// Adds `data` to the object, sending each full part (waiting while too many are in flight).
+    pub async fn push(&mut self, mut data: &[u8]) -> StoreResult<()> {
+        while !data.is_empty() {
+            let take = data.len().min(PART_BYTES - self.buf.len());
+            self.buf.extend_from_slice(&data[..take]);
+            data = &data[take..];
+            if self.buf.len() == PART_BYTES {
+                self.send_part().await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Completes the object; it becomes visible whole. On error (or if never called) the upload
+    /// is aborted when the writer is dropped.
+    pub async fn complete(&mut self) -> StoreResult<()> {
         let Some(upload) = self.upload.clone() else {
             // It fits in one part: a single PUT is atomic too.
             let payload = PutPayload::from(std::mem::take(&mut self.buf));
-            self.s3.store.put(&self.path, payload).await?;
+            self.remote.store.put(&self.path, payload).await?;
             return Ok(());
         };
         if !self.buf.is_empty() {
@@ -277,9 +278,9 @@ impl RemoteWriter {
             self.note_part(done)?;
         }
         let parts = self.parts.drain(..).collect::<Option<Vec<_>>>().expect("every part was uploaded");
-        self.s3.store.complete_multipart(&self.path, &upload, parts).await?;
+        self.remote.store.complete_multipart(&self.path, &upload, parts).await?;
         self.upload = None;
-        forget_upload(&self.s3.pool, &upload).await
+        forget_upload(&self.remote, &upload).await
     }
 
     /// Starts uploading the buffer as the next part; waits while too many are in flight.
@@ -287,12 +288,17 @@ impl RemoteWriter {
         let upload = match &self.upload {
             Some(upload) => upload.clone(),
             None => {
-                let upload = self.s3.store.create_multipart(&self.path).await?;
+                let upload = self.remote.store.create_multipart(&self.path).await?;
                 let path: &str = self.path.as_ref();
-                sqlx::query!("INSERT INTO pending_uploads (upload_id, object_path) VALUES ($1, $2)", upload, path)
-                    .execute(&self.s3.pool)
-                    .await
-                    .map_err(|e| StoreError::Unavailable(format!("registering an upload: {e}")))?;
+                sqlx::query!(
+                    "INSERT INTO pending_uploads (store, upload_id, object_path) VALUES ($1, $2, $3)",
+                    &*self.remote.tag,
+                    upload,
+                    path
+                )
+                .execute(&self.remote.pool)
+                .await
+                .map_err(|e| StoreError::Unavailable(format!("registering an upload: {e}")))?;
                 self.upload = Some(upload.clone());
                 upload
             }
@@ -304,14 +310,18 @@ impl RemoteWriter {
         let index = self.parts.len();
         self.parts.push(None);
         let payload = PutPayload::from(std::mem::replace(&mut self.buf, Vec::with_capacity(PART_BYTES)));
-        let (s3, path) = (self.s3.clone(), self.path.clone());
+        let (remote, path) = (self.remote.clone(), self.path.clone());
         self.in_flight.spawn_on(
             async move {
-                let part = s3.store.put_part(&path, &upload, index, payload).await?;
+                let part = remote.store.put_part(&path, &upload, index, payload).await?;
                 // A part was sent: the writer is alive (see `sweep_abandoned`).
-                let _ = sqlx::query!("UPDATE pending_uploads SET touched_at = now() WHERE upload_id = $1", upload)
-                    .execute(&s3.pool)
-                    .await;
+                let _ = sqlx::query!(
+                    "UPDATE pending_uploads SET touched_at = now() WHERE store = $1 AND upload_id = $2",
+                    &*remote.tag,
+                    upload
+                )
+                .execute(&remote.pool)
+                .await;
                 Ok((index, part))
             },
             &self.handle,
@@ -331,10 +341,10 @@ impl Drop for RemoteWriter {
     /// `JoinSet`). If that fails too, the registration stays and the cleaner aborts it later.
     fn drop(&mut self) {
         if let Some(upload) = self.upload.take() {
-            let (s3, path) = (self.s3.clone(), self.path.clone());
+            let (remote, path) = (self.remote.clone(), self.path.clone());
             self.handle.spawn(async move {
-                if s3.store.abort_multipart(&path, &upload).await.is_ok() {
-                    let _ = forget_upload(&s3.pool, &upload).await;
+                if remote.store.abort_multipart(&path, &upload).await.is_ok() {
+                    let _ = forget_upload(&remote, &upload).await;
                 }
             });
         }
@@ -357,9 +367,9 @@ impl std::io::Write for RemoteWriter {
     }
 }
 
-async fn forget_upload(pool: &PgPool, upload: &str) -> StoreResult<()> {
-    sqlx::query!("DELETE FROM pending_uploads WHERE upload_id = $1", upload)
-        .execute(pool)
+async fn forget_upload(remote: &Remote, upload: &str) -> StoreResult<()> {
+    sqlx::query!("DELETE FROM pending_uploads WHERE store = $1 AND upload_id = $2", &*remote.tag, upload)
+        .execute(&remote.pool)
         .await
         .map_err(|e| StoreError::Unavailable(format!("forgetting an upload: {e}")))?;
     Ok(())

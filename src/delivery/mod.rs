@@ -1,0 +1,221 @@
+//! Delivery into partners' own buckets.
+//!
+//! - A tenant file declares **destinations** (a partner's bucket, credentials by reference) and
+//!   **subscriptions** (a dataset and format to deliver there: every full export the partner
+//!   creates, and/or an incremental export on a schedule chained by the subscription's cursor).
+//!   [`subscriptions::sync`] mirrors them into PostgreSQL at start-up.
+//! - A published export gets one delivery per subscription that wants it, from a trigger in the
+//!   publishing transaction (migration `bucket_deliveries.sql`).
+//! - Every `serve` and `worker` process runs [`run`]: it creates the scheduled exports that are
+//!   due ([`subscriptions::schedule`]), leases due deliveries (a lease with a fencing generation,
+//!   one delivery at a time per subscription, oldest first) and copies them ([`copy`]), then
+//!   records the outcome: delivered, retried with jittered exponential backoff for passing
+//!   errors until `EXPORTD_DELIVERY_RETRY_FOR`, or failed at once when the store refuses.
+//!   `delivery.succeeded` and `delivery.failed` webhook events come from a trigger.
+
+pub mod copy;
+pub mod store;
+pub mod subscriptions;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio::task::JoinSet;
+use tracing::Instrument;
+use uuid::Uuid;
+
+use crate::clock::Clock;
+use crate::config::DeliverySettings;
+use crate::guard::{AddressGuard, GuardedStoreResolver};
+use crate::links::LinkKeys;
+use crate::storage::{ArtifactStore, Remote, bucket};
+use crate::tenants::{Destination, Registry};
+use store::{Claimed, Outcome};
+
+/// How often an idle loop looks for work.
+const IDLE_POLL: Duration = Duration::from_millis(500);
+/// Uploads to a partner's bucket not touched for this long are aborted by the sweep.
+const ABANDONED_AFTER: Duration = Duration::from_secs(3600);
+/// How often the sweep of abandoned uploads runs.
+const SWEEP_EVERY: Duration = Duration::from_secs(300);
+
+/// What the delivery loop needs; cheap to clone.
+#[derive(Clone)]
+pub struct Courier {
+    pub pool: PgPool,
+    pub registry: Arc<Registry>,
+    /// exportd's own store, where the files come from.
+    pub artifacts: ArtifactStore,
+    /// Sign the cursors of scheduled incremental exports.
+    pub keys: Arc<LinkKeys>,
+    pub settings: DeliverySettings,
+    pub lease_ttl: Duration,
+    pub clock: Clock,
+    guard: Arc<AddressGuard>,
+    owner: String,
+}
+
+impl Courier {
+    pub fn new(
+        pool: PgPool,
+        registry: Arc<Registry>,
+        artifacts: ArtifactStore,
+        keys: Arc<LinkKeys>,
+        settings: DeliverySettings,
+        lease_ttl: Duration,
+        clock: Clock,
+    ) -> Courier {
+        let guard = Arc::new(AddressGuard::named(settings.delivery_allow_nets.clone(), "EXPORTD_DELIVERY_ALLOW_NETS"));
+        let owner = format!("{}-{}", std::process::id(), Uuid::new_v4().simple());
+        Courier { pool, registry, artifacts, keys, settings, lease_ttl, clock, guard, owner }
+    }
+
+    /// The destination's bucket, its credentials resolved now and every address it connects to
+    /// checked by the guard (a literal address in the endpoint here; names on every connection).
+    /// The error says what to fix.
+    pub async fn connect(&self, tenant: &str, destination: &Destination) -> Result<Remote, String> {
+        let config = destination.bucket().map_err(|e| format!("destination `{}`: {e}", destination.name))?;
+        if let Some(endpoint) = &config.endpoint {
+            let url = reqwest::Url::parse(endpoint).map_err(|e| format!("endpoint: {e}"))?;
+            let host = url.host_str().unwrap_or_default().trim_start_matches('[').trim_end_matches(']');
+            if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+                self.guard.check(ip).map_err(|e| format!("destination `{}` endpoint {e}", destination.name))?;
+            }
+        }
+        let options = bucket::client_options().with_dns_resolver(Arc::new(GuardedStoreResolver(self.guard.clone())));
+        Remote::connect(&config, options, &destination.upload_tag(tenant), self.pool.clone())
+            .map_err(|e| format!("destination `{}`: {e:#}", destination.name))
+    }
+
+    /// A passing failure: try again after the backoff for this attempt.
+    pub fn retry_later(&self, claimed: &Claimed, error: String) -> Outcome {
+        Outcome::Retry {
+            error,
+            after: crate::webhooks::retry_delay(self.settings.delivery_first_retry, claimed.attempts),
+        }
+    }
+
+    /// One pass: scheduled exports that are due, then as many due deliveries as the process
+    /// runs at once (each to its end). Returns how many deliveries ran.
+    pub async fn pass(&self) -> anyhow::Result<usize> {
+        subscriptions::schedule(self).await?;
+        let mut running = JoinSet::new();
+        for _ in 0..self.settings.delivery_parallel.max(1) {
+            let Some(claimed) =
+                store::claim(&self.pool, &self.owner, self.lease_ttl, self.settings.delivery_retry_for).await?
+            else {
+                break;
+            };
+            let courier = self.clone();
+            running.spawn(async move { courier.deliver(claimed).await });
+        }
+        let count = running.len();
+        while let Some(done) = running.join_next().await {
+            done??;
+        }
+        Ok(count)
+    }
+
+    /// Runs one leased delivery to its outcome, renewing the lease meanwhile.
+    async fn deliver(&self, claimed: Claimed) -> anyhow::Result<()> {
+        let span = tracing::info_span!("delivery", tenant = %claimed.tenant, delivery = %claimed.id,
+            export = %claimed.export_id, destination = %claimed.destination, attempt = claimed.attempts);
+        async {
+            let renewing = async {
+                loop {
+                    tokio::time::sleep(self.lease_ttl / 3).await;
+                    match store::heartbeat(&self.pool, &claimed, self.lease_ttl).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(store::LeaseLost)) => return,
+                        Err(e) => tracing::warn!(error = %e, "renewing a delivery's lease failed"),
+                    }
+                }
+            };
+            // Losing the lease drops the copy: its upload in progress is aborted.
+            let outcome = tokio::select! {
+                outcome = copy::attempt(self, &claimed) => outcome?,
+                () = renewing => None,
+            };
+            let Some(outcome) = outcome else {
+                tracing::warn!("a delivery attempt lost its lease; the attempt holding it decides");
+                return Ok(());
+            };
+            let state = store::record(&self.pool, &claimed, &outcome).await?;
+            metrics::counter!("exportd_bucket_deliveries_total", "outcome" => outcome.label()).increment(1);
+            match (&outcome, state) {
+                (_, None) => tracing::warn!("a delivery attempt outlived its lease; its outcome was not recorded"),
+                (Outcome::Delivered, _) => tracing::info!("export delivered"),
+                (Outcome::Retry { error, .. } | Outcome::Fail { error }, Some(state)) => {
+                    tracing::warn!(error = %error, state = %state, "delivery attempt failed");
+                }
+            }
+            Ok(())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Aborts uploads into partners' buckets whose writer died (not touched for an hour).
+    pub async fn sweep_abandoned(&self) -> u64 {
+        let mut aborted = 0;
+        for tenant in self.registry.tenants() {
+            for destination in &tenant.destinations {
+                let Ok(remote) = self.connect(tenant.id.as_str(), destination).await else { continue };
+                match remote.sweep_abandoned(ABANDONED_AFTER).await {
+                    Ok((count, _)) => aborted += count,
+                    Err(e) => {
+                        tracing::warn!(destination = %destination.name, error = %e, "sweeping abandoned uploads failed")
+                    }
+                }
+            }
+        }
+        aborted
+    }
+}
+
+/// Moves a subscription's chain to `next_cursor` (inside the transaction publishing its export).
+pub async fn advance_chain(
+    tx: &mut sqlx::PgConnection,
+    subscription: Uuid,
+    next_cursor: Option<&str>,
+) -> sqlx::Result<()> {
+    if let Some(cursor) = next_cursor {
+        sqlx::query!("UPDATE subscriptions SET cursor = $2 WHERE id = $1", subscription, cursor).execute(tx).await?;
+    }
+    Ok(())
+}
+
+/// Delivers until `shutdown` turns true (inside `serve` and `worker`).
+pub async fn run(courier: Courier, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    while let Err(e) = subscriptions::sync(&courier.pool, &courier.registry).await {
+        tracing::warn!(error = %e, "recording the tenants' subscriptions failed; trying again");
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+            _ = shutdown.changed() => return,
+        }
+    }
+    let mut last_sweep: Option<std::time::Instant> = None;
+    while !*shutdown.borrow() {
+        if last_sweep.is_none_or(|at| at.elapsed() >= SWEEP_EVERY) {
+            last_sweep = Some(std::time::Instant::now());
+            courier.sweep_abandoned().await;
+        }
+        let busy = tokio::select! {
+            result = courier.pass() => match result {
+                Ok(ran) => ran > 0,
+                Err(e) => {
+                    tracing::warn!(error = format!("{e:#}"), "delivery pass failed; trying again");
+                    false
+                }
+            },
+            _ = shutdown.changed() => false,
+        };
+        if !busy {
+            tokio::select! {
+                _ = tokio::time::sleep(IDLE_POLL) => {}
+                _ = shutdown.changed() => {}
+            }
+        }
+    }
+}

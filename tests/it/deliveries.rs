@@ -1,0 +1,395 @@
+//! Delivery into a partner's own bucket: a second SeaweedFS with credentials of its own plays
+//! the partner's store (scripts/test starts it). Subscriptions deliver full exports and a
+//! schedule of incremental ones; the bucket, read as a loader would (wait for `_SUCCESS`, follow
+//! the manifests' cursors), equals a fresh full export.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use exportd::config::DeliverySettings;
+use exportd::delivery::{Courier, subscriptions};
+use exportd::links::LinkKeys;
+use exportd::storage::{BucketConfig, BucketUrl, Credentials, ObjectKey, Provider, Remote};
+use exportd::tenants::Registry;
+use futures_util::TryStreamExt;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+use crate::common::{LINK_KEYS, TestApp, edited_registry, gunzip};
+
+fn var(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set: run the tests with scripts/test"))
+}
+
+/// The partner's bucket, as the partner (or its loader) reads it.
+fn partner_bucket(pool: &PgPool, prefix: &str) -> Remote {
+    let config = BucketConfig {
+        url: BucketUrl { provider: Provider::S3, bucket: var("EXPORTD_TEST_PARTNER_S3_BUCKET"), prefix: prefix.into() },
+        endpoint: Some(var("EXPORTD_TEST_PARTNER_S3_ENDPOINT")),
+        region: None,
+        credentials: Credentials::S3 {
+            access_key_id: var("EXPORTD_TEST_PARTNER_S3_ACCESS_KEY_ID"),
+            secret_access_key: var("EXPORTD_TEST_PARTNER_S3_SECRET_ACCESS_KEY").into(),
+        },
+    };
+    Remote::connect(&config, exportd::storage::bucket::client_options(), "test-reader", pool.clone()).unwrap()
+}
+
+/// acme with a destination for zenpartner (row filter region = emea) under `prefix` of the
+/// partner's bucket, whose secret comes from `secret` (a reference), and `subscription`.
+fn registry_with(prefix: &str, secret: &str, subscription: &str) -> Arc<Registry> {
+    let (endpoint, bucket) = (var("EXPORTD_TEST_PARTNER_S3_ENDPOINT"), var("EXPORTD_TEST_PARTNER_S3_BUCKET"));
+    let text = format!(
+        r#"
+[[destinations]]
+name = "zen-landing"
+principal = "zenpartner"
+url = "s3://{bucket}/{prefix}"
+endpoint = "{endpoint}"
+credentials.access_key_id = {{ env = "EXPORTD_TEST_PARTNER_S3_ACCESS_KEY_ID" }}
+credentials.secret_access_key = {secret}
+
+[[subscriptions]]
+name = "zen-tickets"
+destination = "zen-landing"
+dataset = "tickets"
+format = "jsonl"
+{subscription}
+"#
+    );
+    edited_registry("acme", |t| format!("{t}\n{text}"))
+}
+
+fn courier(app: &TestApp, registry: Arc<Registry>, allow_loopback: bool) -> Courier {
+    let settings = DeliverySettings {
+        delivery_allow_nets: if allow_loopback { vec!["127.0.0.0/8".parse().unwrap()] } else { vec![] },
+        delivery_first_retry: Duration::from_millis(200),
+        ..DeliverySettings::default()
+    };
+    let keys = Arc::new(LinkKeys::parse(LINK_KEYS).unwrap());
+    Courier::new(
+        app.pool.clone(),
+        registry,
+        app.store.clone(),
+        keys,
+        settings,
+        Duration::from_secs(30),
+        app.clock.clone(),
+    )
+}
+
+const PARTNER_SECRET: &str = r#"{ env = "EXPORTD_TEST_PARTNER_S3_SECRET_ACCESS_KEY" }"#;
+
+/// Every byte of an object of the partner's bucket.
+async fn read(bucket: &Remote, key: &str) -> Vec<u8> {
+    let key = ObjectKey::parse(key).unwrap();
+    let (len, _) = bucket.digest(&key).await.unwrap().unwrap_or_else(|| panic!("{key:?} is in the bucket"));
+    let chunks: Vec<_> = bucket.read(&key, 0, len).await.unwrap().try_collect().await.unwrap();
+    chunks.concat()
+}
+
+/// The records of a delivered export's folder: its manifest, then every JSONL row of its shards.
+async fn delivered(bucket: &Remote, folder: &str) -> (Value, Vec<Value>) {
+    let manifest: Value = serde_json::from_slice(&read(bucket, &format!("{folder}/manifest.json")).await).unwrap();
+    let mut rows = Vec::new();
+    for shard in manifest["shards"].as_array().unwrap() {
+        let bytes = read(bucket, &format!("{folder}/{}", shard["name"].as_str().unwrap())).await;
+        assert_eq!(exportd::writers::sha256_hex(&bytes), shard["sha256"].as_str().unwrap(), "the manifest's sha256");
+        for line in String::from_utf8(gunzip(&bytes)).unwrap().lines() {
+            rows.push(serde_json::from_str(line).unwrap());
+        }
+    }
+    (manifest, rows)
+}
+
+/// The folders holding `_SUCCESS`, each checked complete: its manifest and every shard the
+/// manifest names are there, with the manifest's sizes. Panics on a folder marked too early.
+async fn complete_folders(bucket: &Remote) -> Vec<String> {
+    let objects = bucket.list(None).await.unwrap();
+    let sizes: BTreeMap<String, u64> = objects.iter().map(|o| (o.key.as_str().to_owned(), o.bytes)).collect();
+    let mut folders = Vec::new();
+    for key in sizes.keys().filter(|k| k.ends_with("/_SUCCESS")) {
+        let folder = key.trim_end_matches("/_SUCCESS").to_owned();
+        let manifest_key = format!("{folder}/manifest.json");
+        assert!(sizes.contains_key(&manifest_key), "{folder}: _SUCCESS before its manifest");
+        let manifest: Value = serde_json::from_slice(&read(bucket, &manifest_key).await).unwrap();
+        for shard in manifest["shards"].as_array().unwrap() {
+            let name = format!("{folder}/{}", shard["name"].as_str().unwrap());
+            assert_eq!(sizes.get(&name).copied(), shard["bytes"].as_u64(), "{name}: _SUCCESS before the whole shard");
+        }
+        folders.push(folder);
+    }
+    folders
+}
+
+async fn ingest(app: &TestApp, token: &str, records: Value) {
+    let response = app.ingest(token, "tickets", &records).await;
+    assert!(response.status().is_success(), "{}", response.text().await.unwrap());
+}
+
+/// The subscription's next scheduled run is due now (its schedule is hourly in these tests).
+async fn run_due(app: &TestApp) {
+    sqlx::query("UPDATE subscriptions SET next_run_at = now()").execute(&app.pool).await.unwrap();
+}
+
+/// One scheduled run, then everything until nothing is left to do: exports written, delivered.
+async fn settle(app: &TestApp, courier: &Courier) {
+    run_due(app).await;
+    for _ in 0..20 {
+        let ran = courier.pass().await.unwrap();
+        let steps = app.drain().await;
+        let ran_after = courier.pass().await.unwrap();
+        if ran == 0 && steps.is_empty() && ran_after == 0 {
+            return;
+        }
+    }
+    panic!("the subscription did not settle");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_subscription_fills_the_bucket_with_exports_that_add_up_to_a_fresh_full_export(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let prefix = format!("t-{}", uuid::Uuid::new_v4().simple());
+    let registry = registry_with(&prefix, PARTNER_SECRET, r#"incremental_every = "1h""#);
+    let courier = courier(&app, registry.clone(), true);
+    subscriptions::sync(&app.pool, &registry).await.unwrap();
+    let admin = app.token("acme", "alice");
+    let partner = app.token("acme", "zenpartner");
+    let records = |from: usize, to: usize, subject: &str| -> Value {
+        (from..to)
+            .map(|i| {
+                let region = if i % 3 == 0 { "apac" } else { "emea" };
+                json!({"key": format!("t-{i:04}"), "data": {"subject": format!("{subject} {i}"), "status": "open", "region": region}})
+            })
+            .collect()
+    };
+    ingest(&app, &admin, records(0, 120, "first")).await;
+
+    // A loader polls the bucket the whole time: a folder with `_SUCCESS` is always complete.
+    let bucket = partner_bucket(&app.pool, &prefix);
+    let stop = Arc::new(AtomicBool::new(false));
+    let checks = Arc::new(AtomicUsize::new(0));
+    let poller = tokio::spawn({
+        let (bucket, stop, checks) = (bucket.clone(), stop.clone(), checks.clone());
+        async move {
+            while !stop.load(Ordering::Relaxed) {
+                complete_folders(&bucket).await;
+                checks.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    });
+
+    // Rounds of writes (updates, deletes, rows entering and leaving the partner's filter), each
+    // followed by a scheduled run; writers keep going while exports are written.
+    for round in 0..4usize {
+        app.tick().await;
+        app.pass_safety_delay();
+        let writers: Vec<_> = (0..3usize)
+            .map(|w| {
+                let (app_url, client, admin) = (app.url("/v1/datasets/tickets/records"), app.client.clone(), admin.clone());
+                tokio::spawn(async move {
+                    let start = w * 40;
+                    let mut changes: Vec<Value> = (start..start + 40)
+                        .step_by(2)
+                        .map(|i| {
+                            let region = if (i + round) % 4 == 0 { "apac" } else { "emea" };
+                            json!({"key": format!("t-{i:04}"), "data": {"subject": format!("round {round} {i}"), "status": "open", "region": region}})
+                        })
+                        .collect();
+                    changes.push(json!({"key": format!("t-{:04}", start + 1 + round * 2), "deleted": true}));
+                    let response = client.post(app_url).bearer_auth(admin).json(&changes).send().await.unwrap();
+                    assert!(response.status().is_success());
+                })
+            })
+            .collect();
+        run_due(&app).await;
+        courier.pass().await.unwrap();
+        for writer in writers {
+            writer.await.unwrap();
+        }
+        app.drain().await;
+        courier.pass().await.unwrap();
+    }
+    app.tick().await;
+    app.pass_safety_delay();
+    settle(&app, &courier).await;
+
+    // A fresh full export as the partner (also delivered: the subscription takes its full exports).
+    let fresh = app.export(&partner, &json!({"dataset": "tickets", "format": "jsonl"})).await;
+    app.drain().await;
+    settle(&app, &courier).await;
+    stop.store(true, Ordering::Relaxed);
+    poller.await.unwrap();
+    assert!(checks.load(Ordering::Relaxed) > 0);
+
+    let folders = complete_folders(&bucket).await;
+    let fresh_folder = format!("tickets/{fresh}");
+    assert!(folders.contains(&fresh_folder), "the partner's own full export was delivered: {folders:?}");
+    let (_, expected) = delivered(&bucket, &fresh_folder).await;
+
+    // Apply the chain as a loader would: the full export first, then each incremental export
+    // whose from_cursor is the previous one's next_cursor.
+    let mut manifests = BTreeMap::new();
+    for folder in folders.iter().filter(|f| **f != fresh_folder) {
+        let (manifest, rows) = delivered(&bucket, folder).await;
+        manifests.insert(folder.clone(), (manifest, rows));
+    }
+    let seed = manifests.values().find(|(m, _)| m["mode"] == "full").expect("the chain starts with a full export");
+    let seed = seed.clone();
+    let mut state: BTreeMap<String, Value> =
+        seed.1.iter().map(|r| (r["id"].as_str().unwrap().to_owned(), r.clone())).collect();
+    let mut cursor = seed.0["next_cursor"].clone();
+    let total = manifests.len();
+    manifests.retain(|_, (m, _)| m["mode"] != "full");
+    let mut applied = 1;
+    // An incremental export with no change ends where it starts: several may share a cursor.
+    while let Some(folder) =
+        manifests.iter().find(|(_, (m, _))| m["from_cursor"] == cursor).map(|(folder, _)| folder.clone())
+    {
+        let (manifest, rows) = manifests.remove(&folder).unwrap();
+        for row in rows {
+            let mut row = row.clone();
+            let key = row["id"].as_str().unwrap().to_owned();
+            match row.as_object_mut().unwrap().remove("_op").unwrap().as_str().unwrap() {
+                "upsert" => state.insert(key, row),
+                "delete" => state.remove(&key),
+                op => panic!("unknown op {op}"),
+            };
+        }
+        cursor = manifest["next_cursor"].clone();
+        applied += 1;
+    }
+    assert_eq!(applied, total, "every delivered export of the chain links to the one before");
+    assert!(applied >= 3, "a full export and scheduled incremental ones: {applied}");
+    let expected: BTreeMap<String, Value> =
+        expected.into_iter().map(|r| (r["id"].as_str().unwrap().to_owned(), r)).collect();
+    assert_eq!(state, expected, "the chain adds up to a fresh full export");
+    assert!(expected.values().all(|r| r["region"] == "emea"), "only what the partner may see");
+
+    // Every delivery delivered, each export once; the API shows them to the partner.
+    let (delivered_count, pending): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE state = 'delivered'), count(*) FILTER (WHERE state <> 'delivered') FROM bucket_deliveries",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!((delivered_count as usize, pending), (folders.len(), 0));
+    let api = app.sibling(registry.clone()).await;
+    let page: Value = app
+        .client
+        .get(format!("{api}/v1/deliveries"))
+        .bearer_auth(&partner)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let listed = page["deliveries"].as_array().unwrap();
+    assert_eq!(listed.len(), folders.len());
+    let path = listed[0]["path"].as_str().unwrap();
+    assert!(path.starts_with(&format!("s3://{}/{prefix}/tickets/", var("EXPORTD_TEST_PARTNER_S3_BUCKET"))), "{path}");
+    let events: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_events WHERE type = 'delivery.succeeded'")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(events as usize, folders.len());
+    // The partner's own stored cursor was never moved by the subscription's chain.
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM feed_cursors WHERE principal = 'zenpartner'")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, 0);
+    let uploads: i64 = sqlx::query_scalar("SELECT count(*) FROM pending_uploads").fetch_one(&app.pool).await.unwrap();
+    assert_eq!(uploads, 0, "no upload left open");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn wrong_credentials_fail_the_delivery_saying_so_and_write_nothing(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let prefix = format!("t-{}", uuid::Uuid::new_v4().simple());
+    let secret_file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(secret_file.path(), "not-the-partners-secret\n").unwrap();
+    let reference = format!(r#"{{ file = "{}" }}"#, secret_file.path().display());
+    let registry = registry_with(&prefix, &reference, "");
+    let courier = courier(&app, registry.clone(), true);
+    subscriptions::sync(&app.pool, &registry).await.unwrap();
+    app.seed("acme", "tickets", 20).await;
+    let partner = app.token("acme", "zenpartner");
+    let export = app.export(&partner, &json!({"dataset": "tickets", "format": "jsonl"})).await;
+    app.drain().await;
+    assert_eq!(courier.pass().await.unwrap(), 1);
+
+    let api = app.sibling(registry.clone()).await;
+    let page: Value = app
+        .client
+        .get(format!("{api}/v1/deliveries"))
+        .bearer_auth(&partner)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let delivery = &page["deliveries"][0];
+    assert_eq!(delivery["state"], "failed", "a refusal fails at once: {delivery}");
+    assert_eq!(delivery["export_id"], export.as_str());
+    let error = delivery["last_error"].as_str().unwrap();
+    assert!(error.contains("access denied") || error.contains("refused"), "{error}");
+    let body = page.to_string();
+    assert!(
+        !body.contains("not-the-partners-secret") && !body.contains(&var("EXPORTD_TEST_PARTNER_S3_SECRET_ACCESS_KEY"))
+    );
+    let event: Value = sqlx::query_scalar("SELECT data FROM webhook_events WHERE type = 'delivery.failed'")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(event["destination"], "zen-landing");
+    assert!(!event.to_string().contains("not-the-partners-secret"));
+    assert!(partner_bucket(&app.pool, &prefix).list(None).await.unwrap().is_empty(), "nothing written");
+
+    // Another partner cannot see or retry it; an admin can retry it.
+    let id = delivery["id"].as_str().unwrap();
+    let other = app.token("acme", "lens");
+    for request in [
+        app.client.get(format!("{api}/v1/deliveries/{id}")),
+        app.client.post(format!("{api}/v1/deliveries/{id}/retry")),
+    ] {
+        assert_eq!(request.bearer_auth(&other).send().await.unwrap().status(), 404);
+    }
+    let mine: Value =
+        app.client.get(format!("{api}/v1/deliveries")).bearer_auth(&other).send().await.unwrap().json().await.unwrap();
+    assert_eq!(mine["deliveries"], json!([]));
+    let admin = app.token("acme", "alice");
+    let retried = app.client.post(format!("{api}/v1/deliveries/{id}/retry")).bearer_auth(&admin).send().await.unwrap();
+    assert_eq!(retried.status(), 202);
+    assert_eq!(retried.json::<Value>().await.unwrap()["state"], "pending");
+
+    // A secret that names nothing fails with what to fix.
+    let registry = registry_with(&prefix, r#"{ env = "EXPORTD_TEST_NO_SUCH_SECRET" }"#, "");
+    let courier = self::courier(&app, registry, true);
+    assert_eq!(courier.pass().await.unwrap(), 1);
+    let error: String =
+        sqlx::query_scalar("SELECT last_error FROM bucket_deliveries").fetch_one(&app.pool).await.unwrap();
+    assert!(error.contains("EXPORTD_TEST_NO_SUCH_SECRET") && error.contains("not set"), "{error}");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn an_endpoint_on_an_internal_address_is_refused_unless_the_operator_allows_it(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let prefix = format!("t-{}", uuid::Uuid::new_v4().simple());
+    let registry = registry_with(&prefix, PARTNER_SECRET, "");
+    subscriptions::sync(&app.pool, &registry).await.unwrap();
+    app.seed("acme", "tickets", 5).await;
+    let partner = app.token("acme", "zenpartner");
+    app.export(&partner, &json!({"dataset": "tickets", "format": "jsonl"})).await;
+    app.drain().await;
+    assert_eq!(courier(&app, registry, false).pass().await.unwrap(), 1);
+    let (state, error): (String, String) =
+        sqlx::query_as("SELECT state, last_error FROM bucket_deliveries").fetch_one(&app.pool).await.unwrap();
+    assert_eq!(state, "failed");
+    assert!(error.contains("loopback") && error.contains("EXPORTD_DELIVERY_ALLOW_NETS"), "{error}");
+    assert!(partner_bucket(&app.pool, &prefix).list(None).await.unwrap().is_empty());
+}
