@@ -11,6 +11,7 @@ use uuid::Uuid;
 
 use super::error::{ApiError, ApiResult};
 use super::extract::{Path, Query};
+use super::listing;
 use super::state::AppState;
 use crate::auth::Caller;
 use crate::delivery::copy::folder;
@@ -53,38 +54,13 @@ async fn list_deliveries(
     caller: Caller,
     Query(params): Query<DeliveriesParams>,
 ) -> ApiResult<axum::Json<DeliveriesPage>> {
-    let limit = params.limit.unwrap_or(100);
-    if !(1..=500).contains(&limit) {
-        return Err(ApiError::invalid_field("limit", "must be between 1 and 500"));
-    }
-    if params.state.as_deref().is_some_and(|s| !["pending", "delivered", "failed"].contains(&s)) {
-        return Err(ApiError::invalid_field("state", "one of pending, delivered, failed"));
-    }
-    let name_ok =
-        |n: &str| (1..=64).contains(&n.len()) && n.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
-    if params.subscription.as_deref().is_some_and(|n| !name_ok(n)) {
-        return Err(ApiError::invalid_field(
-            "subscription",
-            "a subscription name: 1-64 letters, digits, `-`, `_` or `.`",
-        ));
-    }
-    let before = match params.cursor.as_deref() {
-        Some(text) => {
-            Some(text.parse::<i64>().map_err(|_| ApiError::invalid_field("cursor", "not a cursor from this listing"))?)
-        }
-        None => None,
-    };
+    let limit = listing::limit(params.limit)?;
+    let state_filter = listing::state(params.state.as_deref())?;
+    let subscription = listing::name("subscription", params.subscription.as_deref())?;
+    let before = listing::before(params.cursor.as_deref())?;
     let tenant = caller.tenant.id.as_str();
-    let mut deliveries = store::list(
-        &state.pool,
-        tenant,
-        own(&caller),
-        params.state.as_deref(),
-        params.subscription.as_deref(),
-        before,
-        i64::from(limit),
-    )
-    .await?;
+    let mut deliveries =
+        store::list(&state.pool, tenant, own(&caller), state_filter, subscription, before, i64::from(limit)).await?;
     let next_cursor =
         (deliveries.len() == limit as usize).then(|| deliveries.last().map(|d| d.seq.to_string())).flatten();
     deliveries.iter_mut().for_each(|d| d.path = bucket_path(&caller, d));

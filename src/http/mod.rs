@@ -11,6 +11,7 @@ mod extract;
 mod feeds;
 mod health;
 mod listener;
+mod listing;
 mod metrics;
 mod openapi;
 mod range;

@@ -10,6 +10,7 @@ use uuid::Uuid;
 
 use super::error::{ApiError, ApiResult};
 use super::extract::{Path, Query};
+use super::listing;
 use super::state::AppState;
 use crate::auth::Caller;
 use crate::tenants::WebhookEvent;
@@ -62,15 +63,8 @@ async fn deliveries(
     Query(params): Query<DeliveriesParams>,
 ) -> ApiResult<axum::Json<DeliveriesPage>> {
     admin(&caller)?;
-    let limit = params.limit.unwrap_or(100);
-    if !(1..=500).contains(&limit) {
-        return Err(ApiError::invalid_field("limit", "must be between 1 and 500"));
-    }
-    let name_ok =
-        |n: &str| (1..=64).contains(&n.len()) && n.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
-    if params.endpoint.as_deref().is_some_and(|n| !name_ok(n)) {
-        return Err(ApiError::invalid_field("endpoint", "an endpoint name: 1-64 letters, digits, `-`, `_` or `.`"));
-    }
+    let limit = listing::limit(params.limit)?;
+    let endpoint = listing::name("endpoint", params.endpoint.as_deref())?;
     let event = match params.event.as_deref() {
         Some(text) => Some(WebhookEvent::parse(text).ok_or_else(|| {
             let known: Vec<&str> = WebhookEvent::ALL.iter().map(|e| e.as_str()).collect();
@@ -78,28 +72,15 @@ async fn deliveries(
         })?),
         None => None,
     };
-    if params.state.as_deref().is_some_and(|s| !["pending", "delivered", "failed"].contains(&s)) {
-        return Err(ApiError::invalid_field("state", "one of pending, delivered, failed"));
-    }
+    let state_filter = listing::state(params.state.as_deref())?;
     let export_id = match params.export_id.as_deref() {
         Some(text) => {
             Some(Uuid::parse_str(text).map_err(|_| ApiError::invalid_field("export_id", "not an export id"))?)
         }
         None => None,
     };
-    let before = match params.cursor.as_deref() {
-        Some(text) => {
-            Some(text.parse::<i64>().map_err(|_| ApiError::invalid_field("cursor", "not a cursor from this listing"))?)
-        }
-        None => None,
-    };
-    let filter = DeliveryFilter {
-        endpoint: params.endpoint.as_deref(),
-        event,
-        state: params.state.as_deref(),
-        export_id,
-        before,
-    };
+    let before = listing::before(params.cursor.as_deref())?;
+    let filter = DeliveryFilter { endpoint, event, state: state_filter, export_id, before };
     let (deliveries, next) = outbox::list(&state.pool, caller.tenant.id.as_str(), &filter, limit).await?;
     Ok(axum::Json(DeliveriesPage { deliveries, next_cursor: next.map(|seq| seq.to_string()) }))
 }
