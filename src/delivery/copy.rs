@@ -87,6 +87,8 @@ async fn copy(courier: &Courier, claimed: &Claimed) -> Result<(), Stop> {
     let files = export_files(courier, claimed).await?;
     let remote = courier.connect(tenant.id.as_str(), destination).await.map_err(Stop::Refused)?;
     let folder = folder(&claimed.dataset, claimed.export_id);
+    // Credentials the bucket refuses fail here, before any egress is counted.
+    remote.probe().await?;
     if !claimed.egress_counted {
         let total: u64 = files.iter().map(|f| f.bytes).sum();
         let path = format!("{}/{folder}/", remote.describe());

@@ -80,7 +80,7 @@ impl Remote {
     }
 
     /// A cheap authenticated request, so a wrong endpoint or credentials show at start-up.
-    pub(super) async fn probe(&self) -> StoreResult<()> {
+    pub async fn probe(&self) -> StoreResult<()> {
         self.probe_raw().await.map_err(Into::into)
     }
 

@@ -349,6 +349,11 @@ async fn wrong_credentials_fail_the_delivery_saying_so_and_write_nothing(pool: P
     assert_eq!(event["destination"], "zen-landing");
     assert!(!event.to_string().contains("not-the-partners-secret"));
     assert!(partner_bucket(&app.pool, &prefix).list(None).await.unwrap().is_empty(), "nothing written");
+    let egress: Option<i64> = sqlx::query_scalar("SELECT egress_bytes FROM tenant_usage WHERE tenant = 'acme'")
+        .fetch_optional(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(egress.unwrap_or(0), 0, "a refused delivery counts no egress");
 
     // Another partner cannot see or retry it; an admin can retry it.
     let id = delivery["id"].as_str().unwrap();
