@@ -149,7 +149,10 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     let tenants = limits.tenants().into_iter().map(str::to_owned).collect();
     handles.push(tokio::spawn(crate::usage::history::run_recording(pool.clone(), tenants, shutdown.clone())));
     handles.push(tokio::spawn(webhooks::run(deliverer, clock.clone(), shutdown.clone())));
-    handles.push(tokio::spawn(crate::delivery::run(courier(settings, &deps, clock.clone()), shutdown.clone())));
+    if roles.workers {
+        // Copying files into partners' buckets is worker's work: an API-only host does none.
+        handles.push(tokio::spawn(crate::delivery::run(courier(settings, &deps, clock.clone()), shutdown.clone())));
+    }
     let mut http_shutdown = shutdown.clone();
     let stopped = async move {
         let _ = http_shutdown.wait_for(|stop| *stop).await;

@@ -30,11 +30,14 @@ ensure_seaweedfs() {
 }
 
 # ensure_partner_seaweedfs: a second, separate SeaweedFS with credentials of its own, playing a
-# partner's bucket for the delivery tests (S3 on EXPORTD_PARTNER_S3_PORT, default 43433); exports
-# EXPORTD_TEST_PARTNER_S3_*.
+# partner's bucket for the delivery tests (S3 on EXPORTD_PARTNER_S3_PORT, default 43433), and a
+# third the fault test may freeze (EXPORTD_FREEZABLE_S3_PORT, default 43533); exports
+# EXPORTD_TEST_PARTNER_S3_* and EXPORTD_TEST_FREEZABLE_S3_* (with the PID to signal).
 PARTNER_S3_ACCESS_KEY=partner
 PARTNER_S3_SECRET_KEY=partner-test-secret
 PARTNER_S3_BUCKET=partner-landing
+FREEZABLE_S3_ACCESS_KEY=freezable-key-id
+FREEZABLE_S3_SECRET_KEY=freezable-test-secret
 
 ensure_partner_seaweedfs() {
   start_weed "${EXPORTD_PARTNER_S3_PORT:-43433}" "$PARTNER_S3_ACCESS_KEY" "$PARTNER_S3_SECRET_KEY" "$PARTNER_S3_BUCKET" ||
@@ -43,7 +46,14 @@ ensure_partner_seaweedfs() {
   export EXPORTD_TEST_PARTNER_S3_ENDPOINT="$WEED_ENDPOINT" EXPORTD_TEST_PARTNER_S3_BUCKET="$PARTNER_S3_BUCKET"
   export EXPORTD_TEST_PARTNER_S3_ACCESS_KEY_ID="$PARTNER_S3_ACCESS_KEY"
   export EXPORTD_TEST_PARTNER_S3_SECRET_ACCESS_KEY="$PARTNER_S3_SECRET_KEY"
-  export EXPORTD_TEST_PARTNER_S3_PID="$PARTNER_SEAWEEDFS_PID"
+  # The fault test freezes a partner's store (SIGSTOP): one of its own, so no other test stalls.
+  start_weed "${EXPORTD_FREEZABLE_S3_PORT:-43533}" "$FREEZABLE_S3_ACCESS_KEY" "$FREEZABLE_S3_SECRET_KEY" \
+    "$PARTNER_S3_BUCKET" || return 1
+  FREEZABLE_SEAWEEDFS_PID=$WEED_PID
+  export EXPORTD_TEST_FREEZABLE_S3_ENDPOINT="$WEED_ENDPOINT" EXPORTD_TEST_FREEZABLE_S3_BUCKET="$PARTNER_S3_BUCKET"
+  export EXPORTD_TEST_FREEZABLE_S3_ACCESS_KEY_ID="$FREEZABLE_S3_ACCESS_KEY"
+  export EXPORTD_TEST_FREEZABLE_S3_SECRET_ACCESS_KEY="$FREEZABLE_S3_SECRET_KEY"
+  export EXPORTD_TEST_FREEZABLE_S3_PID="$FREEZABLE_SEAWEEDFS_PID"
 }
 
 # start_weed PORT ACCESS_KEY SECRET_KEY BUCKET: starts `weed mini` on EXPORTD_S3_HOST (default
@@ -96,6 +106,8 @@ stop_seaweedfs() {
   SEAWEEDFS_PID=""
   stop_weed "${PARTNER_SEAWEEDFS_PID:-}"
   PARTNER_SEAWEEDFS_PID=""
+  stop_weed "${FREEZABLE_SEAWEEDFS_PID:-}"
+  FREEZABLE_SEAWEEDFS_PID=""
   return 0
 }
 

@@ -4,8 +4,9 @@
 //! Each file is streamed (multipart, memory flat) and hashed on the way; an upload whose bytes
 //! do not hash to the manifest's sha256 is aborted before it completes, so no wrong object ever
 //! becomes visible. After completing, the stored size is read back. Names are deterministic: a
-//! retry or another worker taking over writes the same bytes under the same names. Progress is
-//! checkpointed per file under the lease.
+//! retry or another worker taking over writes the same bytes under the same names, after
+//! aborting the uploads the earlier attempt left open in the folder. Progress is checkpointed
+//! per file under the lease.
 
 use bytes::Bytes;
 use futures_util::StreamExt;
@@ -89,6 +90,14 @@ async fn copy(courier: &Courier, claimed: &Claimed) -> Result<(), Stop> {
     let folder = folder(&claimed.dataset, claimed.export_id);
     // Credentials the bucket refuses fail here, before any egress is counted.
     remote.probe().await?;
+    if claimed.attempts > 1 {
+        // An earlier attempt that died or lost its lease may have left an upload open here.
+        let under = ObjectKey::parse(&folder).map_err(|e| Stop::Other(anyhow::anyhow!(e)))?;
+        let aborted = remote.abort_uploads_under(&under).await?;
+        if aborted > 0 {
+            tracing::info!(aborted, "aborted the uploads an earlier attempt left open");
+        }
+    }
     if !claimed.egress_counted {
         let total: u64 = files.iter().map(|f| f.bytes).sum();
         let path = format!("{}/{folder}/", remote.describe());

@@ -284,17 +284,33 @@ pub async fn retry(pool: &PgPool, id: Uuid, retry_for: Duration) -> sqlx::Result
     Ok(())
 }
 
-/// Each subscription's newest delivery and how many of its deliveries are not delivered yet
-/// (the dashboard's "how far behind").
-pub async fn behind(pool: &PgPool, tenant: &str) -> sqlx::Result<Vec<(String, i64, Option<OffsetDateTime>)>> {
-    let rows = sqlx::query!(
+/// How far one subscription's deliveries are behind (the dashboard).
+#[derive(Debug, Clone)]
+pub struct Lag {
+    pub subscription: String,
+    /// Deliveries not delivered yet (pending or failed).
+    pub undelivered: i64,
+    pub failed: i64,
+    /// When the oldest undelivered export was published (how long the bucket has lacked it).
+    pub oldest_undelivered_at: Option<OffsetDateTime>,
+    pub last_delivered_at: Option<OffsetDateTime>,
+    /// The newest failed delivery's reason.
+    pub last_failure: Option<String>,
+}
+
+/// Each subscription of the tenant that has deliveries: how far behind it is.
+pub async fn lag(pool: &PgPool, tenant: &str) -> sqlx::Result<Vec<Lag>> {
+    sqlx::query_as!(
+        Lag,
         r#"SELECT subscription AS "subscription!",
                   count(*) FILTER (WHERE state <> 'delivered') AS "undelivered!",
-                  max(delivered_at) AS last_delivered_at
+                  count(*) FILTER (WHERE state = 'failed') AS "failed!",
+                  min(created_at) FILTER (WHERE state <> 'delivered') AS oldest_undelivered_at,
+                  max(delivered_at) AS last_delivered_at,
+                  (array_agg(last_error ORDER BY seq DESC) FILTER (WHERE state = 'failed'))[1] AS last_failure
              FROM bucket_deliveries WHERE tenant = $1 GROUP BY subscription ORDER BY subscription"#,
         tenant,
     )
     .fetch_all(pool)
-    .await?;
-    Ok(rows.into_iter().map(|r| (r.subscription, r.undelivered, r.last_delivered_at)).collect())
+    .await
 }

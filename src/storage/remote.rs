@@ -205,7 +205,8 @@ impl Remote {
 
     /// Aborts uploads whose writer has not sent a part for `age`. Returns how many.
     pub async fn sweep_abandoned(&self, age: Duration) -> StoreResult<(u64, u64)> {
-        let stale = sqlx::query!(
+        let stale = sqlx::query_as!(
+            Registered,
             "SELECT upload_id, object_path FROM pending_uploads
               WHERE store = $2 AND touched_at < now() - make_interval(secs => $1)",
             age.as_secs_f64(),
@@ -214,18 +215,43 @@ impl Remote {
         .fetch_all(&self.pool)
         .await
         .map_err(|e| StoreError::Unavailable(format!("listing pending uploads: {e}")))?;
+        Ok((self.abort_registered(stale).await?, 0))
+    }
+
+    /// Aborts every upload registered under the folder `folder` at once, whatever its age: for
+    /// a writer known to be dead or fenced (a delivery taken over). Returns how many.
+    pub async fn abort_uploads_under(&self, folder: &ObjectKey) -> StoreResult<u64> {
+        let under = format!("{}/", self.path(folder.as_str()));
+        let left = sqlx::query_as!(
+            Registered,
+            "SELECT upload_id, object_path FROM pending_uploads WHERE store = $1 AND starts_with(object_path, $2)",
+            &*self.tag,
+            under,
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|e| StoreError::Unavailable(format!("listing pending uploads: {e}")))?;
+        self.abort_registered(left).await
+    }
+
+    async fn abort_registered(&self, uploads: Vec<Registered>) -> StoreResult<u64> {
         let mut aborted = 0;
-        for upload in stale {
-            let upload_id = upload.upload_id;
-            match self.store.abort_multipart(&Path::from(upload.object_path), &upload_id).await {
+        for upload in uploads {
+            match self.store.abort_multipart(&Path::from(upload.object_path), &upload.upload_id).await {
                 Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                 Err(e) => return Err(e.into()),
             }
-            forget_upload(self, &upload_id).await?;
+            forget_upload(self, &upload.upload_id).await?;
             aborted += 1;
         }
-        Ok((aborted, 0))
+        Ok(aborted)
     }
+}
+
+/// An upload registered in `pending_uploads`.
+struct Registered {
+    upload_id: String,
+    object_path: String,
 }
 
 /// An object being uploaded: from a blocking thread (the shard encoder, through

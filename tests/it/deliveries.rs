@@ -83,7 +83,7 @@ fn courier(app: &TestApp, registry: Arc<Registry>, allow_loopback: bool) -> Cour
 const PARTNER_SECRET: &str = r#"{ env = "EXPORTD_TEST_PARTNER_S3_SECRET_ACCESS_KEY" }"#;
 
 /// Every byte of an object of the partner's bucket.
-async fn read(bucket: &Remote, key: &str) -> Vec<u8> {
+pub(crate) async fn read(bucket: &Remote, key: &str) -> Vec<u8> {
     let key = ObjectKey::parse(key).unwrap();
     let (len, _) = bucket.digest(&key).await.unwrap().unwrap_or_else(|| panic!("{key:?} is in the bucket"));
     let chunks: Vec<_> = bucket.read(&key, 0, len).await.unwrap().try_collect().await.unwrap();
@@ -291,6 +291,10 @@ async fn a_subscription_fills_the_bucket_with_exports_that_add_up_to_a_fresh_ful
     assert_eq!(listed.len(), folders.len());
     let path = listed[0]["path"].as_str().unwrap();
     assert!(path.starts_with(&format!("s3://{}/{prefix}/tickets/", var("EXPORTD_TEST_PARTNER_S3_BUCKET"))), "{path}");
+    let admin_page = app.client.get(format!("{api}/dashboard")).bearer_auth(&admin).send().await.unwrap();
+    let admin_page = admin_page.text().await.unwrap();
+    assert!(admin_page.contains(r#"data-behind="zen-tickets">up to date"#), "the dashboard shows it caught up");
+    assert!(!admin_page.contains(r#"data-last-delivery="zen-tickets">never"#));
     let events: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_events WHERE type = 'delivery.succeeded'")
         .fetch_one(&app.pool)
         .await
@@ -355,6 +359,23 @@ async fn wrong_credentials_fail_the_delivery_saying_so_and_write_nothing(pool: P
         .unwrap();
     assert_eq!(egress.unwrap_or(0), 0, "a refused delivery counts no egress");
 
+    // The dashboard shows the subscription behind, with the reason, and no secret.
+    let admin = app.token("acme", "alice");
+    let page =
+        app.client.get(format!("{api}/dashboard")).bearer_auth(&admin).send().await.unwrap().text().await.unwrap();
+    let row = page
+        .split(r#"<tr data-subscription="zen-tickets">"#)
+        .nth(1)
+        .expect("the subscription's row")
+        .split("</tr>")
+        .next()
+        .unwrap();
+    assert!(row.contains(&format!("s3://{}/{prefix}", var("EXPORTD_TEST_PARTNER_S3_BUCKET"))), "{row}");
+    assert!(row.contains(r#"data-last-delivery="zen-tickets">never"#), "{row}");
+    assert!(row.contains("1</data> export not delivered") && row.contains(r#"data-failed="1""#), "{row}");
+    assert!(row.contains(error), "the reason is shown: {row}");
+    assert!(!page.contains("not-the-partners-secret"));
+
     // Another partner cannot see or retry it; an admin can retry it.
     let id = delivery["id"].as_str().unwrap();
     let other = app.token("acme", "lens");
@@ -367,7 +388,6 @@ async fn wrong_credentials_fail_the_delivery_saying_so_and_write_nothing(pool: P
     let mine: Value =
         app.client.get(format!("{api}/v1/deliveries")).bearer_auth(&other).send().await.unwrap().json().await.unwrap();
     assert_eq!(mine["deliveries"], json!([]));
-    let admin = app.token("acme", "alice");
     let retried = app.client.post(format!("{api}/v1/deliveries/{id}/retry")).bearer_auth(&admin).send().await.unwrap();
     assert_eq!(retried.status(), 202);
     assert_eq!(retried.json::<Value>().await.unwrap()["state"], "pending");

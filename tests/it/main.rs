@@ -11,6 +11,7 @@ mod client;
 mod column_policies;
 mod dashboard;
 mod deliveries;
+mod delivery_faults;
 mod downloads;
 mod exports;
 mod feeds;

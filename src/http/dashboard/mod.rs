@@ -131,12 +131,14 @@ async fn overview(state: &AppState, caller: &Caller) -> Result<Markup, ExportErr
         history::read(&state.pool, caller.tenant.id.as_str(), Granularity::Day, to - time::Duration::days(30), to)
             .await?;
     let partners = crate::usage::partners::activity(&state.pool, &caller.tenant, now).await?;
+    let deliveries = crate::delivery::store::lag(&state.pool, caller.tenant.id.as_str()).await?;
     let recent = exports::list(&state.pool, caller, None, None, 20).await?;
     let overview = pages::Overview {
         tenant: &caller.tenant,
         usage: &usage,
         history: &history,
         partners: &partners,
+        deliveries: &deliveries,
         recent: &recent.jobs,
         now,
     };

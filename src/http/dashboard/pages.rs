@@ -6,6 +6,7 @@ use time::OffsetDateTime;
 use super::charts::{BarChart, Series};
 use super::units::{self, Quantity, bytes, count, duration, relative};
 use crate::audit::AuditEntry;
+use crate::delivery::store::Lag;
 use crate::exports::{ExportJob, ShardRecord};
 use crate::quota::RefusalKind;
 use crate::tenants::Tenant;
@@ -68,6 +69,8 @@ pub struct Overview<'a> {
     pub usage: &'a Usage,
     pub history: &'a [Point],
     pub partners: &'a [PartnerActivity],
+    /// How far each subscription's deliveries are behind.
+    pub deliveries: &'a [Lag],
     pub recent: &'a [ExportJob],
     pub now: OffsetDateTime,
 }
@@ -192,6 +195,8 @@ impl Overview<'_> {
             div.charts { (self.charts()) }
             h2 { "Partners" }
             (self.partners_table())
+            h2 { "Deliveries into partners' buckets" }
+            (self.deliveries_table())
             h2 { "Recent exports" }
             (self.recent_table())
             p { small { "As of " (relative(self.now, self.now)) " — " a href="/dashboard" { "reload" } " for newer numbers. Times are UTC; hover a relative time for the exact one." } }
@@ -334,6 +339,59 @@ impl Overview<'_> {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// One row per subscription of the tenant file: its partner and bucket, the last delivery,
+    /// and how far behind it is (exports published but not in the bucket yet, failures).
+    fn deliveries_table(&self) -> Markup {
+        html! {
+            @if self.tenant.subscriptions.is_empty() {
+                p { "This tenant delivers into no partner's bucket (no subscriptions in its tenant file)." }
+            } @else {
+                table {
+                    thead { tr {
+                        th scope="col" { "Subscription" } th scope="col" { "Partner" } th scope="col" { "Bucket" }
+                        th scope="col" { "Delivers" } th scope="col" { "Last delivery" } th scope="col" { "Behind" }
+                    } }
+                    tbody {
+                        @for subscription in &self.tenant.subscriptions {
+                            @let lag = self.deliveries.iter().find(|l| l.subscription == subscription.name);
+                            @let bucket = self.tenant.destination(&subscription.destination).map(|d| d.url.to_string());
+                            tr data-subscription=(subscription.name) {
+                                th scope="row" { (subscription.name) }
+                                td { (subscription.principal.as_str()) }
+                                td { code { (bucket.unwrap_or_default()) } " (" (subscription.destination) ")" }
+                                td {
+                                    code { (subscription.dataset) } " as " (subscription.format.name())
+                                    @if subscription.full_exports { ": full exports" }
+                                    @if let Some(every) = subscription.incremental_every {
+                                        (if subscription.full_exports { ", " } else { ": " })
+                                        "changes every " (duration(every.as_secs_f64()))
+                                    }
+                                }
+                                td data-last-delivery=(subscription.name) {
+                                    @match lag.and_then(|l| l.last_delivered_at) { Some(at) => (relative(at, self.now)), None => "never" }
+                                }
+                                td data-behind=(subscription.name) { (self.behind(lag)) }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn behind(&self, lag: Option<&Lag>) -> Markup {
+        let Some(lag) = lag.filter(|l| l.undelivered > 0) else { return html! { "up to date" } };
+        html! {
+            data value=(lag.undelivered) { (count(lag.undelivered)) }
+            (if lag.undelivered == 1 { " export not delivered" } else { " exports not delivered" })
+            @if let Some(at) = lag.oldest_undelivered_at { ", the oldest published " (relative(at, self.now)) }
+            @if lag.failed > 0 {
+                " " span.lagging data-failed=(lag.failed) { (count(lag.failed)) " failed" }
+                @if let Some(reason) = &lag.last_failure { ": " (reason) " (retry it: POST /v1/deliveries/{id}/retry)" }
             }
         }
     }

@@ -40,6 +40,18 @@ pub fn worker_command(database_url: &str, data_dir: &Path, log: &Path, workers: 
     command
 }
 
+/// Processes SIGKILLed when dropped, so a failing test leaves none behind holding its database.
+pub struct Fleet(pub Vec<Child>);
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// An `exportd serve` process over the app's database and data directory, killed when dropped.
 pub struct Server {
     pub child: Child,
