@@ -63,17 +63,28 @@ pub fn folder(dataset: &str, export_id: uuid::Uuid) -> String {
     format!("{dataset}/{export_id}")
 }
 
-/// Runs the attempt to an outcome (`None`: the lease was lost; the newer attempt decides).
+/// Runs the attempt to an outcome (`None`: the lease was lost; the newer attempt decides). The
+/// outcome's error is what the partner reads (`last_error`): a bucket's failure only as its
+/// reason code; the whole error goes to the log.
 pub async fn attempt(courier: &Courier, claimed: &Claimed) -> Result<Option<Outcome>, sqlx::Error> {
-    match copy(courier, claimed).await {
-        Ok(()) => Ok(Some(Outcome::Delivered)),
-        Err(Stop::LeaseLost) => Ok(None),
-        Err(Stop::Refused(error)) => Ok(Some(Outcome::Fail { error })),
-        Err(Stop::Store(StoreError::Refused(error))) => Ok(Some(Outcome::Fail { error })),
-        Err(Stop::Store(e)) => Ok(Some(courier.retry_later(claimed, e.to_string()))),
-        Err(Stop::Database(e)) => Err(e),
-        Err(Stop::Other(e)) => Ok(Some(courier.retry_later(claimed, format!("{e:#}")))),
+    let stopped = match copy(courier, claimed).await {
+        Ok(()) => return Ok(Some(Outcome::Delivered)),
+        Err(Stop::LeaseLost) => return Ok(None),
+        Err(Stop::Database(e)) => return Err(e),
+        Err(stopped) => stopped,
+    };
+    if let Stop::Store(e) = &stopped {
+        tracing::warn!(error = %e, "a request to the partner's bucket failed");
     }
+    Ok(Some(match stopped {
+        Stop::Refused(error) => Outcome::Fail { error },
+        Stop::Store(StoreError::Remote { reason, .. }) if reason.is_refusal() => {
+            Outcome::Fail { error: reason.to_string() }
+        }
+        Stop::Store(e) => courier.retry_later(claimed, e.public()),
+        Stop::Other(e) => courier.retry_later(claimed, format!("{e:#}")),
+        Stop::LeaseLost | Stop::Database(_) => unreachable!("returned above"),
+    }))
 }
 
 async fn copy(courier: &Courier, claimed: &Claimed) -> Result<(), Stop> {
@@ -159,6 +170,13 @@ async fn export_files(courier: &Courier, claimed: &Claimed) -> Result<Vec<File>,
     Ok(files)
 }
 
+/// A failure of exportd's own store, where the files come from: retried, and not the partner's
+/// to read about beyond that.
+fn own_store(error: StoreError) -> Stop {
+    tracing::warn!(error = %error, "reading an export's file from exportd's store failed");
+    Stop::Other(anyhow::anyhow!("exportd's own store is unavailable; the delivery is retried"))
+}
+
 /// Streams one file into the bucket; completes the upload only if the bytes hash to the
 /// expected sha256, then checks the stored size.
 async fn copy_file(courier: &Courier, remote: &Remote, file: &File, key: &ObjectKey) -> Result<(), Stop> {
@@ -172,9 +190,9 @@ async fn copy_file(courier: &Courier, remote: &Remote, file: &File, key: &Object
             sent = bytes.len() as u64;
         }
         Source::Stored(source) => {
-            let mut stream = courier.artifacts.read(source, 0, file.bytes).await?;
+            let mut stream = courier.artifacts.read(source, 0, file.bytes).await.map_err(own_store)?;
             while let Some(chunk) = stream.next().await {
-                let chunk = chunk?;
+                let chunk = chunk.map_err(own_store)?;
                 hasher.update(&chunk);
                 writer.push(&chunk).await?;
                 sent += chunk.len() as u64;

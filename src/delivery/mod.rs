@@ -27,9 +27,10 @@ use uuid::Uuid;
 
 use crate::clock::Clock;
 use crate::config::DeliverySettings;
-use crate::guard::{AddressGuard, GuardedStoreResolver};
 use crate::links::LinkKeys;
-use crate::storage::{ArtifactStore, Remote, bucket};
+use crate::outbound::{self, AddressGuard, GuardedConnector};
+use crate::storage::bucket::{self, Reach};
+use crate::storage::{ArtifactStore, Remote};
 use crate::tenants::{Destination, Registry};
 use store::{Claimed, Outcome};
 
@@ -52,7 +53,7 @@ pub struct Courier {
     pub settings: DeliverySettings,
     pub lease_ttl: Duration,
     pub clock: Clock,
-    guard: Arc<AddressGuard>,
+    connector: GuardedConnector,
     owner: String,
 }
 
@@ -67,24 +68,23 @@ impl Courier {
         clock: Clock,
     ) -> Courier {
         let guard = Arc::new(AddressGuard::named(settings.delivery_allow_nets.clone(), "EXPORTD_DELIVERY_ALLOW_NETS"));
+        let connector = GuardedConnector::new(guard, bucket::REQUEST_TIMEOUT, bucket::CONNECT_TIMEOUT);
         let owner = format!("{}-{}", std::process::id(), Uuid::new_v4().simple());
-        Courier { pool, registry, artifacts, keys, settings, lease_ttl, clock, guard, owner }
+        Courier { pool, registry, artifacts, keys, settings, lease_ttl, clock, connector, owner }
     }
 
-    /// The destination's bucket, its credentials resolved now and every address it connects to
-    /// checked by the guard (a literal address in the endpoint here; names on every connection).
+    /// The destination's bucket, its credentials resolved now, reached through the guarded
+    /// outbound client (a literal address in the endpoint is refused here, before connecting).
     /// The error says what to fix.
     pub async fn connect(&self, tenant: &str, destination: &Destination) -> Result<Remote, String> {
         let config = destination.bucket().map_err(|e| format!("destination `{}`: {e}", destination.name))?;
         if let Some(endpoint) = &config.endpoint {
             let url = reqwest::Url::parse(endpoint).map_err(|e| format!("endpoint: {e}"))?;
-            let host = url.host_str().unwrap_or_default().trim_start_matches('[').trim_end_matches(']');
-            if let Ok(ip) = host.parse::<std::net::IpAddr>() {
-                self.guard.check(ip).map_err(|e| format!("destination `{}` endpoint {e}", destination.name))?;
-            }
+            outbound::check_literal(self.connector.guard(), url.host_str().unwrap_or_default())
+                .map_err(|e| format!("destination `{}` endpoint: {e}", destination.name))?;
         }
-        let options = bucket::client_options().with_dns_resolver(Arc::new(GuardedStoreResolver(self.guard.clone())));
-        Remote::connect(&config, options, &destination.upload_tag(tenant), self.pool.clone())
+        let reach = Reach::Partner(self.connector.clone());
+        Remote::connect(&config, &reach, &destination.upload_tag(tenant), self.pool.clone())
             .map_err(|e| format!("destination `{}`: {e:#}", destination.name))
     }
 

@@ -15,6 +15,7 @@ use object_store::{BackoffConfig, ClientOptions, ObjectStore, RetryConfig};
 use secrecy::{ExposeSecret, SecretString};
 
 use super::ObjectKey;
+use crate::outbound::GuardedConnector;
 
 /// What the generic code path needs of a store: objects, and multipart uploads it can name (so
 /// the ones a dead writer left are found again and aborted).
@@ -89,10 +90,22 @@ pub struct BucketConfig {
     pub credentials: Credentials,
 }
 
+/// Whose bucket it is: that decides who exportd may be there and how it connects.
+#[derive(Debug, Clone)]
+pub enum Reach {
+    /// exportd's own artifact store, as the operator configured it: the environment's identity
+    /// (instance roles, workload identity) may be used.
+    Own,
+    /// A partner's bucket: only with the credentials its destination names, and only through
+    /// the guarded outbound client (no redirects, no proxies, every address checked).
+    Partner(GuardedConnector),
+}
+
 /// Who to be at the bucket.
 #[derive(Clone)]
 pub enum Credentials {
-    /// The environment's own: instance roles, workload identity (never for an explicit endpoint).
+    /// The environment's own: instance roles, workload identity (never for an explicit endpoint,
+    /// never at a partner's bucket).
     Ambient,
     S3 {
         access_key_id: String,
@@ -118,10 +131,13 @@ impl std::fmt::Debug for BucketConfig {
     }
 }
 
-/// Requests to a bucket: short timeouts and few retries of its own — a worker's lease is 30 s by
-/// default, and callers retry whole steps themselves.
-pub fn client_options() -> ClientOptions {
-    ClientOptions::new().with_connect_timeout(Duration::from_secs(5)).with_timeout(Duration::from_secs(30))
+/// How long one request to a bucket may take to connect, and in all: short — a worker's lease is
+/// 30 s by default, and callers retry whole steps themselves.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn client_options() -> ClientOptions {
+    ClientOptions::new().with_connect_timeout(CONNECT_TIMEOUT).with_timeout(REQUEST_TIMEOUT)
 }
 
 fn retry() -> RetryConfig {
@@ -135,8 +151,18 @@ impl BucketConfig {
         format!("{}{endpoint}", self.url)
     }
 
-    /// The store, built with `options` (timeouts; a guarded DNS resolver for partners' buckets).
-    pub fn build(&self, options: ClientOptions) -> anyhow::Result<Arc<dyn RemoteObjects>> {
+    /// The store, reached as `reach` says.
+    pub fn build(&self, reach: &Reach) -> anyhow::Result<Arc<dyn RemoteObjects>> {
+        let options = client_options();
+        let connector = match reach {
+            Reach::Own => None,
+            // Without credentials object_store would use the deployment's own identity (instance
+            // metadata, application default credentials) and send it to the partner's endpoint.
+            Reach::Partner(_) if matches!(self.credentials, Credentials::Ambient) => anyhow::bail!(
+                "a partner's bucket is reached only with credentials its destination names, never exportd's own"
+            ),
+            Reach::Partner(connector) => Some(connector.clone()),
+        };
         if let Some(endpoint) = &self.endpoint
             && !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
         {
@@ -154,6 +180,9 @@ impl BucketConfig {
                     .with_client_options(options);
                 if let Some(endpoint) = &self.endpoint {
                     builder = builder.with_endpoint(endpoint).with_allow_http(allow_http);
+                }
+                if let Some(connector) = connector {
+                    builder = builder.with_http_connector(connector);
                 }
                 match &self.credentials {
                     Credentials::S3 { access_key_id, secret_access_key } => {
@@ -180,6 +209,9 @@ impl BucketConfig {
                 if let Some(endpoint) = &self.endpoint {
                     builder = builder.with_base_url(endpoint);
                 }
+                if let Some(connector) = connector {
+                    builder = builder.with_http_connector(connector);
+                }
                 match &self.credentials {
                     Credentials::Gcs { service_account_key } => {
                         builder = builder.with_service_account_key(service_account_key.expose_secret());
@@ -197,6 +229,9 @@ impl BucketConfig {
                     .with_client_options(options);
                 if let Some(endpoint) = &self.endpoint {
                     builder = builder.with_endpoint(endpoint.clone());
+                }
+                if let Some(connector) = connector {
+                    builder = builder.with_http_connector(connector);
                 }
                 match &self.credentials {
                     Credentials::Azure { account, access_key } => {

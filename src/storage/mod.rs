@@ -22,7 +22,7 @@ use futures_util::stream::{BoxStream, StreamExt};
 use sqlx::PgPool;
 
 pub use bucket::{BucketConfig, BucketUrl, Credentials, Provider};
-pub use error::{StoreError, StoreResult, find as find_store_error};
+pub use error::{RemoteReason, StoreError, StoreResult, find as find_store_error};
 pub use ownership::{Deployment, OwnershipError};
 pub use remote::{Remote, RemoteWriter};
 
@@ -166,7 +166,7 @@ impl ArtifactStore {
             StorageLocation::Local(dir) => ArtifactStore::open_local(dir)
                 .map_err(|e| anyhow::anyhow!("opening the artifact store in {}: {e}", dir.display()))?,
             StorageLocation::Bucket(config) => {
-                let remote = Remote::connect(config, bucket::client_options(), ARTIFACT_STORE_TAG, pool.clone())
+                let remote = Remote::connect(config, &bucket::Reach::Own, ARTIFACT_STORE_TAG, pool.clone())
                     .map_err(|e| anyhow::anyhow!("EXPORTD_STORAGE {}: {e}", config.url))?;
                 match remote.probe_raw().await {
                     Ok(()) => {}

@@ -20,7 +20,7 @@ use sqlx::PgPool;
 use tokio::runtime::Handle;
 use tokio::task::JoinSet;
 
-use super::bucket::{BucketConfig, RemoteObjects};
+use super::bucket::{BucketConfig, Reach, RemoteObjects};
 use super::error::{StoreError, StoreResult};
 use super::{ObjectKey, StoredObject};
 
@@ -47,15 +47,10 @@ impl std::fmt::Debug for Remote {
 }
 
 impl Remote {
-    /// The bucket of `config`, its uploads registered in `pool` under `tag`.
-    pub fn connect(
-        config: &BucketConfig,
-        options: object_store::ClientOptions,
-        tag: &str,
-        pool: PgPool,
-    ) -> anyhow::Result<Remote> {
+    /// The bucket of `config`, reached as `reach` says, its uploads registered in `pool` under `tag`.
+    pub fn connect(config: &BucketConfig, reach: &Reach, tag: &str, pool: PgPool) -> anyhow::Result<Remote> {
         Ok(Remote {
-            store: config.build(options)?,
+            store: config.build(reach)?,
             prefix: config.url.prefix.as_str().into(),
             described: config.describe().into(),
             tag: tag.into(),

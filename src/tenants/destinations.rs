@@ -81,28 +81,23 @@ pub struct Destination {
 }
 
 impl Destination {
-    /// The bucket's configuration with its credentials resolved now.
+    /// The bucket's configuration with its credentials resolved now. There is always one: a
+    /// destination without credentials of its own is refused when the tenant file is read.
     pub fn bucket(&self) -> Result<BucketConfig, String> {
         let c = &self.credentials;
         let field = |name: &str, r: &SecretRef| r.resolve().map_err(|e| format!("credentials.{name}: {e}"));
-        let credentials = match self.url.provider {
-            Provider::S3 => match (&c.access_key_id, &c.secret_access_key) {
-                (Some(id), Some(secret)) => {
-                    let access_key_id = field("access_key_id", id)?.expose_secret().to_owned();
-                    Credentials::S3 { access_key_id, secret_access_key: field("secret_access_key", secret)? }
-                }
-                _ => Credentials::Ambient,
-            },
-            Provider::Gcs => match &c.service_account_key {
-                Some(key) => Credentials::Gcs { service_account_key: field("service_account_key", key)? },
-                None => Credentials::Ambient,
-            },
-            Provider::Azure => match (&c.account, &c.access_key) {
-                (Some(account), Some(key)) => {
-                    Credentials::Azure { account: account.clone(), access_key: field("access_key", key)? }
-                }
-                _ => Credentials::Ambient,
-            },
+        let credentials = match (self.url.provider, c) {
+            (Provider::S3, CredentialRefs { access_key_id: Some(id), secret_access_key: Some(secret), .. }) => {
+                let access_key_id = field("access_key_id", id)?.expose_secret().to_owned();
+                Credentials::S3 { access_key_id, secret_access_key: field("secret_access_key", secret)? }
+            }
+            (Provider::Gcs, CredentialRefs { service_account_key: Some(key), .. }) => {
+                Credentials::Gcs { service_account_key: field("service_account_key", key)? }
+            }
+            (Provider::Azure, CredentialRefs { account: Some(account), access_key: Some(key), .. }) => {
+                Credentials::Azure { account: account.clone(), access_key: field("access_key", key)? }
+            }
+            _ => return Err(needs_credentials(self.url.provider)),
         };
         Ok(BucketConfig {
             url: self.url.clone(),
@@ -179,6 +174,21 @@ fn valid_name(name: &str) -> bool {
     !name.is_empty() && name.len() <= 64 && name.chars().all(ok)
 }
 
+/// What a destination of `provider` must name. Without it a cloud client would fall back on the
+/// deployment's own identity (instance metadata, application default credentials, managed
+/// identity) and present it to the partner's endpoint.
+fn needs_credentials(provider: Provider) -> String {
+    let names = match provider {
+        Provider::S3 => "credentials.access_key_id and credentials.secret_access_key",
+        Provider::Gcs => "credentials.service_account_key (a service account key, JSON)",
+        Provider::Azure => "credentials.account and credentials.access_key",
+    };
+    format!(
+        "a partner's bucket needs credentials of its own: give {names}, each by reference \
+         ({{ env = \"VAR\" }} or {{ file = \"/path\" }}); exportd never uses its own identity there"
+    )
+}
+
 /// Checks one `[[destinations]]` entry against the tenant's principals.
 pub(super) fn destination(
     path: &Path,
@@ -202,6 +212,17 @@ pub(super) fn destination(
         Some(Role::Partner) => {}
     }
     let url = BucketUrl::parse(&raw.url).map_err(|e| error(path, &field("url"), e))?;
+    if url.provider == Provider::Gcs {
+        // No emulator speaks the XML API object_store uses for GCS, so deliveries to it cannot be
+        // tested here; Google Cloud Storage's own S3-compatible interface can.
+        return Err(error(
+            path,
+            &field("url"),
+            "gs:// destinations are not supported: reach Google Cloud Storage through its S3-compatible \
+             interface, url = \"s3://<bucket>/<prefix>\" with endpoint = \"https://storage.googleapis.com\" \
+             and an HMAC key as credentials.access_key_id and credentials.secret_access_key",
+        ));
+    }
     if let Some(endpoint) = &raw.endpoint {
         let parsed =
             reqwest::Url::parse(endpoint).map_err(|e| error(path, &field("endpoint"), format!("not a URL: {e}")))?;
@@ -234,11 +255,8 @@ pub(super) fn destination(
         let why = format!("{}:// takes {}", url.provider.scheme(), wanted.join(" and "));
         return Err(error(path, &field("credentials"), why));
     }
-    if given(wanted) != 0 && given(wanted) != wanted.len() {
-        return Err(error(path, &field("credentials"), format!("give {} together", wanted.join(" and "))));
-    }
-    if url.provider == Provider::Azure && c.access_key.is_some() != c.account.is_some() {
-        return Err(error(path, &field("credentials"), "give `account` and `access_key` together"));
+    if given(wanted) != wanted.len() || (url.provider == Provider::Azure && c.account.is_none()) {
+        return Err(error(path, &field("credentials"), needs_credentials(url.provider)));
     }
     Ok(Destination {
         name: raw.name,
@@ -291,4 +309,48 @@ pub(super) fn subscription(
         full_exports: raw.full_exports,
         incremental_every: raw.incremental_every,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn checked(text: &str) -> Result<Destination, String> {
+        let raw: DestinationFile = toml::from_str(&format!("name = \"landing\"\nprincipal = \"zen\"\n{text}")).unwrap();
+        destination(Path::new("tenants/acme.toml"), 0, raw, |_| Some(Role::Partner)).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_destination_without_credentials_of_its_own_is_refused_for_every_provider() {
+        // Each would otherwise reach the bucket as the deployment: instance metadata, application
+        // default credentials, a managed identity.
+        for (url, names) in [
+            ("s3://landing/x", "credentials.access_key_id and credentials.secret_access_key"),
+            ("az://landing/x", "credentials.account and credentials.access_key"),
+        ] {
+            for endpoint in ["", "endpoint = \"https://partner.example\""] {
+                let error = checked(&format!("url = \"{url}\"\n{endpoint}")).unwrap_err();
+                assert!(error.contains("destinations[0].credentials") && error.contains(names), "{error}");
+                assert!(error.contains("never uses its own identity"), "{error}");
+            }
+        }
+        let half = checked("url = \"s3://landing/x\"\ncredentials.access_key_id = { env = \"ID\" }").unwrap_err();
+        assert!(half.contains("credentials.secret_access_key"), "{half}");
+        let no_account = checked("url = \"az://landing/x\"\ncredentials.access_key = { env = \"KEY\" }").unwrap_err();
+        assert!(no_account.contains("credentials.account"), "{no_account}");
+        let complete = "url = \"s3://landing/x\"\ncredentials.access_key_id = { env = \"ID\" }\n\
+                        credentials.secret_access_key = { env = \"SECRET\" }";
+        assert!(checked(complete).is_ok());
+    }
+
+    #[test]
+    fn gs_destinations_are_refused_with_the_s3_compatible_way_to_reach_gcs() {
+        let error = checked(
+            "url = \"gs://landing/x\"\nendpoint = \"https://attacker.example\"\n\
+             credentials.service_account_key = { env = \"KEY\" }",
+        )
+        .unwrap_err();
+        assert!(error.contains("destinations[0].url") && error.contains("storage.googleapis.com"), "{error}");
+        assert!(checked("url = \"gs://landing/x\"").is_err(), "without credentials too");
+    }
 }

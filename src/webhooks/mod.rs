@@ -22,7 +22,7 @@ use tracing::Instrument;
 
 use crate::clock::Clock;
 use crate::config::WebhookSettings;
-use crate::guard::AddressGuard;
+use crate::outbound::AddressGuard;
 use crate::tenants::Registry;
 use outbox::{Attempt, Outcome};
 use send::Sender;

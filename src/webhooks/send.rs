@@ -1,13 +1,12 @@
 //! One delivery attempt over HTTP: signed, bounded in time, never redirected, never proxied,
 //! and only to addresses the [`AddressGuard`] lets through.
 
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use super::outbox::Outcome;
 use super::signing;
-use crate::guard::{AddressGuard, GuardedResolver};
+use crate::outbound::{self, AddressGuard, AddressRefused};
 use crate::tenants::WebhookEndpoint;
 
 pub struct Sender {
@@ -19,12 +18,7 @@ pub struct Sender {
 impl Sender {
     pub fn new(guard: AddressGuard, allow_http: bool, timeout: Duration) -> anyhow::Result<Sender> {
         let guard = Arc::new(guard);
-        let client = reqwest::Client::builder()
-            .dns_resolver(GuardedResolver(guard.clone()))
-            .redirect(reqwest::redirect::Policy::none())
-            .no_proxy()
-            .timeout(timeout)
-            .connect_timeout(timeout)
+        let client = outbound::client_builder(&guard, timeout, timeout)
             .user_agent(concat!("exportd-webhooks/", env!("CARGO_PKG_VERSION")))
             .build()?;
         Ok(Sender { client, guard, allow_http })
@@ -35,10 +29,8 @@ impl Sender {
         if endpoint.url.scheme() == "http" && !self.allow_http {
             return Err("refused: http:// endpoints need EXPORTD_WEBHOOK_ALLOW_HTTP (development only)".into());
         }
-        // A literal address never reaches the resolver: check it here.
-        let host = endpoint.url.host_str().unwrap_or_default();
-        let literal = host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>();
-        literal.map_or(Ok(()), |ip| self.guard.check(ip))
+        // A literal address never reaches the resolver: refuse it before connecting at all.
+        outbound::check_literal(&self.guard, endpoint.url.host_str().unwrap_or_default()).map_err(|e| e.to_string())
     }
 
     /// POSTs `body` signed for this attempt. The error texts name causes, never the URL (its
@@ -77,6 +69,9 @@ impl Sender {
 }
 
 fn describe(error: reqwest::Error) -> String {
+    if let Some(refused) = AddressRefused::find(&error) {
+        return refused.to_string();
+    }
     let kind = if error.is_timeout() {
         "timed out"
     } else if error.is_connect() {

@@ -19,22 +19,28 @@ use sqlx::PgPool;
 
 use crate::common::{LINK_KEYS, TestApp, edited_registry, gunzip};
 
-fn var(name: &str) -> String {
+pub(crate) fn var(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set: run the tests with scripts/test"))
 }
 
 /// The partner's bucket, as the partner (or its loader) reads it.
 fn partner_bucket(pool: &PgPool, prefix: &str) -> Remote {
+    bucket_reader(pool, "PARTNER", prefix)
+}
+
+/// A test store's bucket under `prefix` with its own credentials (`EXPORTD_TEST_<store>_S3_*`).
+pub(crate) fn bucket_reader(pool: &PgPool, store: &str, prefix: &str) -> Remote {
+    let setting = |name: &str| var(&format!("EXPORTD_TEST_{store}_S3_{name}"));
     let config = BucketConfig {
-        url: BucketUrl { provider: Provider::S3, bucket: var("EXPORTD_TEST_PARTNER_S3_BUCKET"), prefix: prefix.into() },
-        endpoint: Some(var("EXPORTD_TEST_PARTNER_S3_ENDPOINT")),
+        url: BucketUrl { provider: Provider::S3, bucket: setting("BUCKET"), prefix: prefix.into() },
+        endpoint: Some(setting("ENDPOINT")),
         region: None,
         credentials: Credentials::S3 {
-            access_key_id: var("EXPORTD_TEST_PARTNER_S3_ACCESS_KEY_ID"),
-            secret_access_key: var("EXPORTD_TEST_PARTNER_S3_SECRET_ACCESS_KEY").into(),
+            access_key_id: setting("ACCESS_KEY_ID"),
+            secret_access_key: setting("SECRET_ACCESS_KEY").into(),
         },
     };
-    Remote::connect(&config, exportd::storage::bucket::client_options(), "test-reader", pool.clone()).unwrap()
+    Remote::connect(&config, &exportd::storage::bucket::Reach::Own, "test-reader", pool.clone()).unwrap()
 }
 
 /// acme with a destination for zenpartner (row filter region = emea) under `prefix` of the
@@ -63,8 +69,13 @@ format = "jsonl"
 }
 
 fn courier(app: &TestApp, registry: Arc<Registry>, allow_loopback: bool) -> Courier {
+    courier_allowing(app, registry, if allow_loopback { &["127.0.0.0/8"] } else { &[] })
+}
+
+/// A courier whose deliveries may reach the networks `allowed` (besides public addresses).
+pub(crate) fn courier_allowing(app: &TestApp, registry: Arc<Registry>, allowed: &[&str]) -> Courier {
     let settings = DeliverySettings {
-        delivery_allow_nets: if allow_loopback { vec!["127.0.0.0/8".parse().unwrap()] } else { vec![] },
+        delivery_allow_nets: allowed.iter().map(|net| net.parse().unwrap()).collect(),
         delivery_first_retry: Duration::from_millis(200),
         ..DeliverySettings::default()
     };

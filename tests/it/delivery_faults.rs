@@ -10,18 +10,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use exportd::delivery::subscriptions;
-use exportd::storage::{BucketConfig, BucketUrl, Credentials, ObjectKey, Provider, Remote};
+use exportd::storage::{ObjectKey, Remote};
 use exportd::tenants::Registry;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
 use crate::common::processes::{Fleet, database_url, terminate, wait_exit, worker_command};
 use crate::common::{TestApp, edited_tenants_dir};
-use crate::deliveries::read;
-
-fn var(name: &str) -> String {
-    std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set: run the tests with scripts/test"))
-}
+use crate::deliveries::{bucket_reader, read, var};
 
 /// The freezable store's settings.
 struct PartnerStore {
@@ -45,16 +41,7 @@ impl PartnerStore {
 
     /// The bucket under `prefix`, as the partner's loader reads it.
     fn reader(&self, pool: &PgPool, prefix: &str) -> Remote {
-        let config = BucketConfig {
-            url: BucketUrl { provider: Provider::S3, bucket: self.bucket.clone(), prefix: prefix.into() },
-            endpoint: Some(self.endpoint.clone()),
-            region: None,
-            credentials: Credentials::S3 {
-                access_key_id: self.access_key_id.clone(),
-                secret_access_key: self.secret.clone().into(),
-            },
-        };
-        Remote::connect(&config, exportd::storage::bucket::client_options(), "test-reader", pool.clone()).unwrap()
+        bucket_reader(pool, "FREEZABLE", prefix)
     }
 
     /// A SigV4-signed request to the bucket by curl; the response body.

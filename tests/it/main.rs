@@ -17,6 +17,7 @@ mod exports;
 mod feeds;
 mod http_api;
 mod isolation;
+mod outbound;
 mod parallel;
 mod parquet_exports;
 mod partner_view;

@@ -1,10 +1,7 @@
-//! SSRF protection: a webhook URL or a partner's bucket endpoint is the tenant's to choose, so
-//! where it may lead is ours. Every address a request would connect to — after DNS, on every
-//! connection, so a name re-pointed at an internal address is caught — must be public, or inside
+//! Which addresses exportd may connect to on a tenant's behalf: public ones, and those inside
 //! a network the operator allowed.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::Arc;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::IpNet;
 
@@ -38,7 +35,7 @@ impl AddressGuard {
         let ip = canonical(ip);
         match non_public_kind(ip) {
             Some(kind) if !self.allowed.iter().any(|net| net.contains(&ip)) => {
-                Err(format!("refused: {ip} is a {kind} address (allow it with {})", self.setting))
+                Err(format!("a {kind} address (allow its network with {})", self.setting))
             }
             _ => Ok(()),
         }
@@ -111,57 +108,6 @@ fn v6_kind(ip: Ipv6Addr) -> Option<&'static str> {
         Some("discard-only (100::/64)")
     } else {
         None
-    }
-}
-
-/// The system's answer for `host`, with every address `guard` refuses removed; nothing left is
-/// an error with the first refusal's reason.
-async fn resolve_allowed(guard: &AddressGuard, host: &str) -> Result<Vec<SocketAddr>, String> {
-    let found: Vec<SocketAddr> =
-        tokio::net::lookup_host((host, 0)).await.map_err(|e| format!("{host}: {e}"))?.collect();
-    let mut refusal = None;
-    let allowed: Vec<SocketAddr> = found
-        .into_iter()
-        .filter(|addr| match guard.check(addr.ip()) {
-            Ok(()) => true,
-            Err(reason) => {
-                refusal.get_or_insert(reason);
-                false
-            }
-        })
-        .collect();
-    if allowed.is_empty() {
-        let reason = refusal.unwrap_or_else(|| "the name resolves to no address".into());
-        return Err(format!("{host}: {reason}"));
-    }
-    Ok(allowed)
-}
-
-/// The webhook client's resolver (see [`resolve_allowed`]).
-pub struct GuardedResolver(pub Arc<AddressGuard>);
-
-impl reqwest::dns::Resolve for GuardedResolver {
-    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
-        let guard = self.0.clone();
-        let host = name.as_str().to_owned();
-        Box::pin(async move {
-            let allowed = resolve_allowed(&guard, &host).await?;
-            Ok(Box::new(allowed.into_iter()) as reqwest::dns::Addrs)
-        })
-    }
-}
-
-/// The object store client's resolver, for partners' buckets (see [`resolve_allowed`]).
-#[derive(Debug)]
-pub struct GuardedStoreResolver(pub Arc<AddressGuard>);
-
-impl object_store::client::DnsResolver for GuardedStoreResolver {
-    fn resolve(&self, host: &str) -> object_store::client::DnsFuture {
-        let (guard, host) = (self.0.clone(), host.to_owned());
-        Box::pin(async move {
-            let allowed = resolve_allowed(&guard, &host).await?;
-            Ok(allowed.into_iter().map(|addr| addr.ip()).collect())
-        })
     }
 }
 
