@@ -30,6 +30,7 @@ use crate::exports::download::Object;
 use crate::exports::{self, ExportError, ExportJob};
 use crate::sharing::{
     ChangeFile, FileAction, FileKind, Share, ShareVersion, TableMetadata, VersionError, Which, file_stats, predicate,
+    predicate::Predicate,
 };
 use crate::tenants::DatasetName;
 use crate::writers::OutputColumn;
@@ -435,16 +436,27 @@ async fn query_table(
     let version = crate::sharing::resolve(&state.pool, tenant, principal, table.as_str(), which).await?;
     let (job, columns) = version_export(&state, &caller, &version).await?;
     let shards = exports::store::shards::all(&state.pool, job.id).await?;
+    let (shards, keep) = match hint {
+        None => {
+            let keep = vec![true; shards.len()];
+            (shards, keep)
+        }
+        // Judging files costs CPU in proportion to the client's hint: off the async runtime,
+        // within the predicate's budget.
+        Some(hint) => tokio::task::spawn_blocking(move || {
+            let files = shards.iter().map(|shard| shard.stats.as_ref().map(|s| s.0.as_slice()).unwrap_or_default());
+            let keep = hint.keep(files, predicate::BUDGET);
+            (shards, keep)
+        })
+        .await
+        .map_err(|e| ApiError::internal(anyhow::anyhow!("judging predicate hints: {e}")))?,
+    };
     let mut body = metadata(&share, table, &version, &job, &columns).lines();
     let links = FileLinks::new(&state, &caller, &headers)?;
     let mut rows = 0i64;
-    for shard in &shards {
+    for (shard, _) in shards.iter().zip(keep).filter(|(_, keep)| *keep) {
         if request.limit_hint.is_some_and(|limit| rows >= limit) {
             break;
-        }
-        let stats = shard.stats.as_ref().map(|s| s.0.as_slice());
-        if hint.as_ref().is_some_and(|hint| !predicate::may_match(hint, stats.unwrap_or_default())) {
-            continue;
         }
         rows += shard.rows;
         body.push_str(&links.action(&version, &job, &columns, shard).line(FileKind::File));
@@ -513,10 +525,17 @@ impl<'a> FileLinks<'a> {
     }
 }
 
-/// The body of a query (empty means `{}`) and its predicate tree, checked for form.
-fn query_request(body: &[u8]) -> ApiResult<(QueryRequest, Option<Value>)> {
+/// The largest query body read.
+const MAX_QUERY_BODY: usize = 1 << 20;
+
+/// The body of a query (empty means `{}`) and its predicate tree, checked for form and size.
+fn query_request(body: &[u8]) -> ApiResult<(QueryRequest, Option<Predicate>)> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok((QueryRequest::default(), None));
+    }
+    // A hint's text is at most 64 KiB: a query body has no use for more, and parsing is not free.
+    if body.len() > MAX_QUERY_BODY {
+        return Err(ApiError::invalid_field("body", format!("must be at most {MAX_QUERY_BODY} bytes")));
     }
     // A JSON object only: serde would also read a struct from an array of its fields in order.
     let object: serde_json::Map<String, Value> = serde_json::from_slice(body).map_err(|e| {
@@ -544,16 +563,12 @@ fn query_request(body: &[u8]) -> ApiResult<(QueryRequest, Option<Value>)> {
     if request.limit_hint.is_some_and(|n| n < 0) {
         return Err(ApiError::invalid_field("limitHint", "must be 0 or more"));
     }
-    let hint = match request.json_predicate_hints.as_deref() {
-        None => None,
-        Some(text) => {
-            let tree: Value = serde_json::from_str(text).map_err(|_| {
-                ApiError::invalid_field("jsonPredicateHints", "must be the text of a JSON predicate tree")
-            })?;
-            predicate::check(&tree).map_err(|e| ApiError::invalid_field("jsonPredicateHints", e))?;
-            Some(tree)
-        }
-    };
+    let hint = request
+        .json_predicate_hints
+        .as_deref()
+        .map(Predicate::parse)
+        .transpose()
+        .map_err(|e| ApiError::invalid_field("jsonPredicateHints", e))?;
     Ok((request, hint))
 }
 

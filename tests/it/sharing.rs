@@ -87,6 +87,12 @@ async fn query(app: &TestApp, token: &str, body: &Value) -> reqwest::Response {
     app.client.post(app.url(&format!("{TABLE}/query"))).bearer_auth(token).json(body).send().await.unwrap()
 }
 
+/// A valid predicate tree: `or` of `leaves` isNull tests (2 nodes each).
+fn wide_hint(leaves: usize) -> String {
+    let leaf = json!({"op": "isNull", "children": [{"op": "column", "name": "subject"}]});
+    json!({"op": "or", "children": vec![leaf; leaves]}).to_string()
+}
+
 /// The protocol's error body: status, `errorCode`.
 async fn protocol_error(response: reqwest::Response) -> (u16, String, String) {
     let status = response.status().as_u16();
@@ -259,6 +265,11 @@ async fn listings_versions_files_and_errors_follow_the_protocol(pool: PgPool) {
         ),
         (query(&app, &zen, &json!({"jsonPredicateHints": "{\"op\": \"equal\"}"})).await, "INVALID_PARAMETER_VALUE"),
         (query(&app, &zen, &json!({"limitHint": "ten"})).await, "MALFORMED_REQUEST"),
+        // A hint is bounded in text and in nodes (a valid tree of 100 000 nodes is refused), and
+        // a query body in size: a 16 MiB hint once froze the server.
+        (query(&app, &zen, &json!({"jsonPredicateHints": wide_hint(100_000)})).await, "INVALID_PARAMETER_VALUE"),
+        (query(&app, &zen, &json!({"jsonPredicateHints": wide_hint(600)})).await, "INVALID_PARAMETER_VALUE"),
+        (query(&app, &zen, &json!({"pad": "x".repeat(2 << 20)})).await, "INVALID_PARAMETER_VALUE"),
         // An array of the fields in order is not a query object (serde alone would take it).
         (query(&app, &zen, &json!([null, null, null, null, null, null, null])).await, "MALFORMED_REQUEST"),
         (query(&app, &zen, &json!({"startingVersion": 0})).await, "UNSUPPORTED_OPERATION"),
