@@ -12,6 +12,11 @@ use crate::tenants::{ColumnType, DatasetSchema, Registry};
 pub struct Resolved {
     /// `regclass` text of the host table (schema-qualified where the search path needs it).
     pub table: String,
+    /// The host table as `schema.table`, quoted: the capture functions run with a fixed
+    /// `search_path` and name everything fully.
+    pub qualified_table: String,
+    /// The schema of exportd's own functions (quoted), which the capture functions call.
+    pub exportd_schema: String,
     pub dataset: String,
     /// The key columns (quoted identifiers) and their types, in key order.
     pub key: Vec<(String, String)>,
@@ -106,8 +111,23 @@ pub async fn resolve(pool: &PgPool, registry: &Registry, spec: &Spec) -> anyhow:
             format!("jsonb_build_array({})::text", many.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", "))
         }
     };
+    let qualified_table: String = sqlx::query_scalar(
+        "SELECT format('%I.%I', n.nspname, c.relname) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+          WHERE c.oid = $1::bigint::oid",
+    )
+    .bind(oid)
+    .fetch_one(pool)
+    .await?;
+    let exportd_schema: String = sqlx::query_scalar(
+        "SELECT format('%I', n.nspname) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+          WHERE p.proname = 'exportd_upsert' ORDER BY n.nspname = current_schema() DESC LIMIT 1",
+    )
+    .fetch_one(pool)
+    .await?;
     Ok(Resolved {
         table,
+        qualified_table,
+        exportd_schema,
         dataset: spec.dataset.clone(),
         key,
         tenant_sql,

@@ -20,12 +20,18 @@ pub fn function_names(attachment: i64) -> (String, String) {
 /// update that changes the key or the tenant deletes the old record before writing the new one;
 /// a row whose tenant is NULL (unmapped) is no record. A record that does not fit the dataset
 /// raises EXD01 and fails the host's statement: loud, never a silently wrong export.
+///
+/// Both run with `search_path` fixed to `pg_catalog`, exportd's schema, `pg_temp` (whatever the
+/// writer's path) and call exportd's functions by their schema, so nothing earlier on a writer's
+/// path can take a write meant for the record store. They live in exportd's schema.
 pub fn functions(attachment: i64, r: &Resolved) -> [String; 2] {
     let (row, truncate) = function_names(attachment);
+    let exportd = &r.exportd_schema;
     let dataset = literal(&r.dataset);
     let (tenant, key, data) = (&r.tenant_sql, &r.key_sql, &r.data_sql);
     let row_function = format!(
-        "CREATE OR REPLACE FUNCTION {row}() RETURNS trigger LANGUAGE plpgsql AS $exportd$
+        "CREATE OR REPLACE FUNCTION {exportd}.{row}() RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, {exportd}, pg_temp AS $exportd$
 #variable_conflict use_column
 DECLARE
     exportd_old_tenant text; exportd_old_key text;
@@ -40,24 +46,25 @@ BEGIN
     END IF;
     IF exportd_old_tenant IS NOT NULL AND (exportd_old_tenant IS DISTINCT FROM exportd_new_tenant
                                            OR exportd_old_key IS DISTINCT FROM exportd_new_key) THEN
-        PERFORM exportd_capture_delete(exportd_old_tenant, {dataset}, exportd_old_key);
+        PERFORM {exportd}.exportd_capture_delete(exportd_old_tenant, {dataset}, exportd_old_key);
     END IF;
     IF exportd_new_tenant IS NOT NULL THEN
-        PERFORM exportd_upsert(exportd_new_tenant, {dataset}, exportd_new_key, exportd_new_data);
+        PERFORM {exportd}.exportd_upsert(exportd_new_tenant, {dataset}, exportd_new_key, exportd_new_data);
     END IF;
     RETURN NULL;
 END $exportd$"
     );
-    let table = &r.table;
+    let table = &r.qualified_table;
     let truncate_function = format!(
-        "CREATE OR REPLACE FUNCTION {truncate}() RETURNS trigger LANGUAGE plpgsql AS $exportd$
+        "CREATE OR REPLACE FUNCTION {exportd}.{truncate}() RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, {exportd}, pg_temp AS $exportd$
 #variable_conflict use_column
 DECLARE
     exportd_row record;
 BEGIN
     FOR exportd_row IN SELECT {tenant} AS tenant, {key} AS key FROM {table} AS src LOOP
         IF exportd_row.tenant IS NOT NULL THEN
-            PERFORM exportd_capture_delete(exportd_row.tenant, {dataset}, exportd_row.key);
+            PERFORM {exportd}.exportd_capture_delete(exportd_row.tenant, {dataset}, exportd_row.key);
         END IF;
     END LOOP;
     RETURN NULL;
@@ -69,13 +76,13 @@ END $exportd$"
 /// `CREATE TRIGGER` statements (after the functions).
 pub fn triggers(attachment: i64, r: &Resolved) -> [String; 2] {
     let (row, truncate) = function_names(attachment);
-    let table = &r.table;
+    let (table, exportd) = (&r.table, &r.exportd_schema);
     [
         format!(
-            "CREATE TRIGGER {ROW_TRIGGER} AFTER INSERT OR UPDATE OR DELETE ON {table} FOR EACH ROW EXECUTE FUNCTION {row}()"
+            "CREATE TRIGGER {ROW_TRIGGER} AFTER INSERT OR UPDATE OR DELETE ON {table} FOR EACH ROW EXECUTE FUNCTION {exportd}.{row}()"
         ),
         format!(
-            "CREATE TRIGGER {TRUNCATE_TRIGGER} BEFORE TRUNCATE ON {table} FOR EACH STATEMENT EXECUTE FUNCTION {truncate}()"
+            "CREATE TRIGGER {TRUNCATE_TRIGGER} BEFORE TRUNCATE ON {table} FOR EACH STATEMENT EXECUTE FUNCTION {exportd}.{truncate}()"
         ),
     ]
 }

@@ -393,3 +393,56 @@ async fn a_wrong_binding_is_refused_naming_what_is_wrong(pool: PgPool) {
     let attached = exportd::attach::attach(&app.pool, &app.registry, &good).await.unwrap();
     assert_eq!((attached.dataset.as_str(), attached.state.as_str()), ("tickets", "backfilling"));
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_writer_whose_search_path_shadows_exportd_functions_still_reaches_the_record_store(pool: PgPool) {
+    use exportd::attach::{Spec, TenantRule};
+    let app = TestApp::spawn(pool).await;
+    sqlx::raw_sql(
+        "CREATE SCHEMA app;
+         CREATE TABLE app.t (id bigint PRIMARY KEY, title text NOT NULL, status text NOT NULL);
+         CREATE SCHEMA shadow;
+         CREATE FUNCTION shadow.exportd_upsert(text, text, text, jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
+         CREATE FUNCTION shadow.exportd_capture_delete(text, text, text) RETURNS void LANGUAGE sql AS 'SELECT';",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let spec = Spec {
+        table: "app.t".into(),
+        dataset: "tickets".into(),
+        key: vec![],
+        tenant: TenantRule::Fixed("acme".into()),
+        columns: [("subject".into(), "title".into()), ("status".into(), "status".into())].into(),
+    };
+    exportd::attach::attach(&app.pool, &app.registry, &spec).await.unwrap();
+    // A writer whose path puts the look-alike functions first.
+    let url = database_url(&app.pool).await;
+    let writer = PgPoolOptions::new().max_connections(1).connect(&url).await.unwrap();
+    sqlx::raw_sql(
+        "SET search_path = shadow, public;
+         INSERT INTO app.t VALUES (1, 'one', 'open'), (2, 'two', 'open');
+         DELETE FROM app.t WHERE id = 2;",
+    )
+    .execute(&writer)
+    .await
+    .unwrap();
+    let heads: Vec<(String, bool)> = sqlx::query_as(
+        "SELECT h.key, v.data IS NULL FROM record_heads h JOIN record_versions v ON v.id = h.version_id
+          WHERE h.tenant = 'acme' AND h.dataset = 'tickets' AND h.key IN ('1', '2') ORDER BY h.key",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(heads, vec![("1".to_owned(), false), ("2".to_owned(), true)], "both writes reached the record store");
+    // Every PL/pgSQL function exportd ships or generates runs with a fixed search_path.
+    let unpinned: Vec<String> = sqlx::query_scalar(
+        "SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang
+          WHERE p.proname LIKE 'exportd\\_%' AND l.lanname = 'plpgsql'
+            AND NOT coalesce(p.proconfig::text LIKE '%search_path=%', false)",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(unpinned, Vec::<String>::new(), "functions without a fixed search_path");
+}
