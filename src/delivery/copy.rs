@@ -111,7 +111,7 @@ async fn copy(courier: &Courier, claimed: &Claimed) -> Result<(), Stop> {
     }
     if !claimed.egress_counted {
         let total: u64 = files.iter().map(|f| f.bytes).sum();
-        let path = format!("{}/{folder}/", remote.describe());
+        let path = destination.url.join(&format!("{folder}/"));
         let now = courier.clock.now();
         if let Err(rejection) = store::count_egress(&courier.pool, tenant, claimed, total, &path, now).await? {
             return Err(Stop::Other(anyhow::anyhow!("{rejection} (the tenant's egress_bytes_per_day)")));

@@ -115,7 +115,5 @@ fn own(caller: &Caller) -> Option<&str> {
 /// `s3://bucket/prefix/{dataset}/{export_id}/`, while the destination is configured.
 fn bucket_path(caller: &Caller, view: &DeliveryView) -> Option<String> {
     let destination = caller.tenant.destination(&view.destination)?;
-    let prefix = if destination.url.prefix.is_empty() { String::new() } else { format!("{}/", destination.url.prefix) };
-    let scheme = destination.url.provider.scheme();
-    Some(format!("{scheme}://{}/{prefix}{}/", destination.url.bucket, folder(&view.dataset, view.export_id)))
+    Some(destination.url.join(&format!("{}/", folder(&view.dataset, view.export_id))))
 }

@@ -740,18 +740,29 @@ fn public_base(state: &AppState, headers: &HeaderMap) -> ApiResult<String> {
     if let Some(url) = &state.public_url {
         return Ok(url.as_str().trim_end_matches('/').to_owned());
     }
-    let host = headers
-        .get(HOST)
-        .and_then(|h| h.to_str().ok())
-        .filter(|h| !h.is_empty() && h.bytes().all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b)));
+    // Without a configured URL the request's Host would decide where profiles and file URLs
+    // point: only a loopback name is taken (development on one machine), never another host.
+    let host = headers.get(HOST).and_then(|h| h.to_str().ok()).filter(|host| is_loopback_host(host));
     let host = host.ok_or_else(|| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
-            "invalid-host",
-            "the request has no usable Host header (or set EXPORTD_PUBLIC_URL)",
+            "public-url-required",
+            "set EXPORTD_PUBLIC_URL (the address partners reach this server at): without it, profiles and \
+             file URLs are only made for requests to a loopback address",
         )
+        .with("field", "Host")
     })?;
     Ok(format!("http://{host}"))
+}
+
+/// `localhost`, `127.x.y.z` or `[::1]`, with an optional port.
+fn is_loopback_host(host: &str) -> bool {
+    let name = match host.rsplit_once(':') {
+        Some((name, port)) if !host.ends_with(']') && port.bytes().all(|b| b.is_ascii_digit()) => name,
+        _ => host,
+    };
+    let name = name.trim_start_matches('[').trim_end_matches(']');
+    name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 // ---- errors ---------------------------------------------------------------------------------

@@ -72,6 +72,14 @@ impl BucketUrl {
     }
 }
 
+impl BucketUrl {
+    /// `scheme://bucket/[prefix/]path`: where `path` is, as the bucket's owner names it.
+    pub fn join(&self, path: &str) -> String {
+        let prefix = if self.prefix.is_empty() { String::new() } else { format!("{}/", self.prefix) };
+        format!("{}://{}/{prefix}{path}", self.provider.scheme(), self.bucket)
+    }
+}
+
 impl std::fmt::Display for BucketUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}://{}/{}", self.provider.scheme(), self.bucket, self.prefix)

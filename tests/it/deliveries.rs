@@ -302,6 +302,21 @@ async fn a_subscription_fills_the_bucket_with_exports_that_add_up_to_a_fresh_ful
     assert_eq!(listed.len(), folders.len());
     let path = listed[0]["path"].as_str().unwrap();
     assert!(path.starts_with(&format!("s3://{}/{prefix}/tickets/", var("EXPORTD_TEST_PARTNER_S3_BUCKET"))), "{path}");
+    // The audit log names each delivery's folder as the API does (no endpoint spliced in).
+    let mut audited: Vec<String> =
+        sqlx::query_scalar("SELECT object FROM audit_log WHERE action = 'delivered' ORDER BY object")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    let mut paths: Vec<String> = listed.iter().map(|d| d["path"].as_str().unwrap().to_owned()).collect();
+    audited.sort();
+    paths.sort();
+    assert_eq!(audited, paths);
+    for cursor in ["-1", "0", "x"] {
+        let response =
+            app.client.get(format!("{api}/v1/deliveries?cursor={cursor}")).bearer_auth(&partner).send().await.unwrap();
+        assert_eq!(response.status(), 400, "cursor={cursor}");
+    }
     let admin_page = app.client.get(format!("{api}/dashboard")).bearer_auth(&admin).send().await.unwrap();
     let admin_page = admin_page.text().await.unwrap();
     assert!(admin_page.contains(r#"data-behind="zen-tickets">up to date"#), "the dashboard shows it caught up");

@@ -133,6 +133,17 @@ async fn the_official_client_reads_exactly_the_partners_versions(pool: PgPool) {
     let profile: Value = profile.json().await.unwrap();
     assert_eq!(profile["endpoint"], format!("http://{}/delta-sharing", app.addr));
     assert_eq!(profile["bearerToken"], zen.as_str(), "the request's own token: no new credential");
+    // Without EXPORTD_PUBLIC_URL a Host naming another machine decides nothing: refused, and so
+    // are file URLs built from it.
+    for host in ["evil.example", "evil.example:80", "127.0.0.1.evil.example", "10.0.0.1"] {
+        let forged = app.client.get(app.url("/v1/sharing/profile")).bearer_auth(&zen).header("host", host);
+        let forged = forged.send().await.unwrap();
+        assert_eq!(forged.status(), 400, "Host: {host}");
+        let body = forged.text().await.unwrap();
+        assert!(body.contains("EXPORTD_PUBLIC_URL") && !body.contains("evil"), "{body}");
+        let query = app.client.post(app.url(&format!("{TABLE}/query"))).bearer_auth(&zen).header("host", host);
+        assert_eq!(query.json(&json!({})).send().await.unwrap().status(), 400, "query, Host: {host}");
+    }
     let profile_path = dir.path().join("zen.share");
     std::fs::write(&profile_path, profile.to_string()).unwrap();
     let admin_profile = app.get(Some(&admin), "/v1/sharing/profile").await.json::<Value>().await.unwrap();
