@@ -18,11 +18,7 @@ pub fn limit(limit: Option<u32>) -> ApiResult<u32> {
 pub fn before(cursor: Option<&str>) -> ApiResult<Option<i64>> {
     cursor
         .map(|text| {
-            // Positions are sequence values: a cursor this listing handed out is positive.
-            text.parse::<i64>()
-                .ok()
-                .filter(|seq| *seq > 0)
-                .ok_or_else(|| ApiError::invalid_field("cursor", "not a cursor from this listing"))
+            text.parse::<i64>().map_err(|_| ApiError::invalid_field("cursor", "not a cursor from this listing"))
         })
         .transpose()
 }

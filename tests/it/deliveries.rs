@@ -312,7 +312,7 @@ async fn a_subscription_fills_the_bucket_with_exports_that_add_up_to_a_fresh_ful
     audited.sort();
     paths.sort();
     assert_eq!(audited, paths);
-    for cursor in ["-1", "0", "x"] {
+    for cursor in ["x", "1.5"] {
         let response =
             app.client.get(format!("{api}/v1/deliveries?cursor={cursor}")).bearer_auth(&partner).send().await.unwrap();
         assert_eq!(response.status(), 400, "cursor={cursor}");
