@@ -72,9 +72,15 @@ pub struct DeliverySettings {
     #[arg(long, env = "EXPORTD_DELIVERY_RETRY_FOR", default_value = "24h", value_parser = humantime::parse_duration)]
     pub delivery_retry_for: std::time::Duration,
 
-    /// Deliveries one process runs at once.
+    /// Deliveries one process runs at once. A tenant holds at most half of them (rounded up),
+    /// one principal at most half of its tenant's; a slot that frees takes the next due delivery.
     #[arg(long, env = "EXPORTD_DELIVERY_PARALLEL", default_value = "2")]
     pub delivery_parallel: usize,
+
+    /// One delivery attempt may take this long; then it stops and is retried, resuming after the
+    /// last file it completed.
+    #[arg(long, env = "EXPORTD_DELIVERY_ATTEMPT_TIMEOUT", default_value = "15m", value_parser = humantime::parse_duration)]
+    pub delivery_attempt_timeout: std::time::Duration,
 }
 
 impl Default for DeliverySettings {
@@ -84,6 +90,7 @@ impl Default for DeliverySettings {
             delivery_first_retry: std::time::Duration::from_secs(10),
             delivery_retry_for: std::time::Duration::from_secs(86_400),
             delivery_parallel: 2,
+            delivery_attempt_timeout: std::time::Duration::from_secs(900),
         }
     }
 }

@@ -3,17 +3,20 @@
 //!
 //! Each file is streamed (multipart, memory flat) and hashed on the way; an upload whose bytes
 //! do not hash to the manifest's sha256 is aborted before it completes, so no wrong object ever
-//! becomes visible. After completing, the stored size is read back. Names are deterministic: a
-//! retry or another worker taking over writes the same bytes under the same names, after
-//! aborting the uploads the earlier attempt left open in the folder. Progress is checkpointed
-//! per file under the lease.
+//! becomes visible. After completing, the stored size and ETag are read back and checkpointed
+//! under the lease. Names are deterministic: a retry or another worker taking over aborts the
+//! uploads the earlier attempt left open in the folder, skips the files still there as they were
+//! completed (same size and ETag) and writes the rest, the same bytes under the same names.
+//!
+//! Each file's bytes are counted against the tenant's egress quota before they are sent, every
+//! time they are sent.
 
 use bytes::Bytes;
 use futures_util::StreamExt;
 use sha2::{Digest, Sha256};
 
 use super::Courier;
-use super::store::{self, Claimed, LeaseLost, Outcome};
+use super::store::{self, Charge, Claimed, Completed, LeaseLost, Outcome};
 use crate::exports::{ExportState, store as export_store};
 use crate::storage::{ObjectKey, Remote, StoreError};
 
@@ -68,7 +71,7 @@ pub fn folder(dataset: &str, export_id: uuid::Uuid) -> String {
 /// reason code; the whole error goes to the log.
 pub async fn attempt(courier: &Courier, claimed: &Claimed) -> Result<Option<Outcome>, sqlx::Error> {
     let stopped = match copy(courier, claimed).await {
-        Ok(()) => return Ok(Some(Outcome::Delivered)),
+        Ok(path) => return Ok(Some(Outcome::Delivered { path })),
         Err(Stop::LeaseLost) => return Ok(None),
         Err(Stop::Database(e)) => return Err(e),
         Err(stopped) => stopped,
@@ -87,7 +90,8 @@ pub async fn attempt(courier: &Courier, claimed: &Claimed) -> Result<Option<Outc
     }))
 }
 
-async fn copy(courier: &Courier, claimed: &Claimed) -> Result<(), Stop> {
+/// Copies what the bucket lacks; returns the folder's path as the API names it.
+async fn copy(courier: &Courier, claimed: &Claimed) -> Result<String, Stop> {
     let tenant = courier.registry.get(&claimed.tenant).ok_or_else(|| Stop::Refused("the tenant is gone".into()))?;
     let subscribed = tenant.subscriptions.iter().any(|s| s.name == claimed.subscription);
     if !subscribed {
@@ -109,26 +113,42 @@ async fn copy(courier: &Courier, claimed: &Claimed) -> Result<(), Stop> {
             tracing::info!(aborted, "aborted the uploads an earlier attempt left open");
         }
     }
-    if !claimed.egress_counted {
-        let total: u64 = files.iter().map(|f| f.bytes).sum();
-        let path = destination.url.join(&format!("{folder}/"));
-        let now = courier.clock.now();
-        if let Err(rejection) = store::count_egress(&courier.pool, tenant, claimed, total, &path, now).await? {
-            return Err(Stop::Other(anyhow::anyhow!("{rejection} (the tenant's egress_bytes_per_day)")));
+    let key = |name: &str| ObjectKey::parse(&format!("{folder}/{name}")).map_err(|e| Stop::Other(anyhow::anyhow!(e)));
+    // Files an earlier attempt completed are skipped while the bucket still holds them as
+    // completed; the others (gone, or replaced by someone) are sent again.
+    let completed = if claimed.files_done > 0 { store::completed_files(&courier.pool, claimed).await? } else { vec![] };
+    let mut bytes_done = claimed.bytes_done;
+    for (ordinal, file) in files.iter().enumerate() {
+        let key = key(&file.name)?;
+        if let Some(was) = completed.get(ordinal) {
+            if still_there(&remote, &key, file, was).await? {
+                continue;
+            }
+            tracing::info!(file = %file.name, "a file an earlier attempt completed is gone or changed; sending it again");
+        } else {
+            bytes_done += file.bytes as i64;
         }
-    }
-    let (mut done, mut bytes) = (claimed.files_done.max(0) as usize, claimed.bytes_done);
-    for file in files.iter().skip(done) {
-        let key = ObjectKey::parse(&format!("{folder}/{}", file.name)).map_err(|e| Stop::Other(anyhow::anyhow!(e)))?;
-        copy_file(courier, &remote, file, &key).await?;
-        done += 1;
-        bytes += file.bytes as i64;
-        store::checkpoint(&courier.pool, claimed, done as i32, bytes).await??;
+        match store::charge(&courier.pool, tenant, claimed, file.bytes, courier.clock.now()).await? {
+            Charge::Counted => {}
+            Charge::LeaseLost => return Err(Stop::LeaseLost),
+            Charge::OverQuota(rejection) => {
+                return Err(Stop::Other(anyhow::anyhow!("{rejection} (the tenant's egress_bytes_per_day)")));
+            }
+        }
+        let written = copy_file(courier, &remote, file, &key).await?;
         metrics::counter!("exportd_bucket_delivery_bytes_total").increment(file.bytes);
+        store::checkpoint(&courier.pool, claimed, ordinal as i32, &written, bytes_done).await??;
     }
-    let marker = ObjectKey::parse(&format!("{folder}/{SUCCESS_MARKER}")).expect("a valid key");
-    remote.put_small(&marker, Bytes::new()).await?;
-    Ok(())
+    remote.put_small(&key(SUCCESS_MARKER)?, Bytes::new()).await?;
+    Ok(destination.url.join(&format!("{folder}/")))
+}
+
+/// Whether the bucket still holds `file` as an earlier attempt completed it (size and ETag).
+async fn still_there(remote: &Remote, key: &ObjectKey, file: &File, was: &Completed) -> Result<bool, Stop> {
+    Ok(match remote.head(key).await? {
+        Some((size, e_tag)) => size == file.bytes && was.bytes == size as i64 && e_tag == was.e_tag,
+        None => false,
+    })
 }
 
 /// The export's files in delivery order: its shards, then its manifest.
@@ -178,8 +198,8 @@ fn own_store(error: StoreError) -> Stop {
 }
 
 /// Streams one file into the bucket; completes the upload only if the bytes hash to the
-/// expected sha256, then checks the stored size.
-async fn copy_file(courier: &Courier, remote: &Remote, file: &File, key: &ObjectKey) -> Result<(), Stop> {
+/// expected sha256, then checks the stored size. Returns the size and ETag the bucket reports.
+async fn copy_file(courier: &Courier, remote: &Remote, file: &File, key: &ObjectKey) -> Result<Completed, Stop> {
     let mut writer = remote.writer(key);
     let mut hasher = Sha256::new();
     let mut sent = 0u64;
@@ -210,11 +230,12 @@ async fn copy_file(courier: &Courier, remote: &Remote, file: &File, key: &Object
         )));
     }
     writer.complete().await?;
-    match remote.size(key).await? {
-        Some(size) if size == file.bytes => Ok(()),
+    match remote.head(key).await? {
+        Some((size, e_tag)) if size == file.bytes => Ok(Completed { bytes: size as i64, e_tag }),
         found => Err(Stop::Other(anyhow::anyhow!(
-            "{} was written but the bucket reports {found:?} bytes, not {}",
+            "{} was written but the bucket reports {:?} bytes, not {}",
             file.name,
+            found.map(|(size, _)| size),
             file.bytes
         ))),
     }

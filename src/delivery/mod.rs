@@ -6,12 +6,15 @@
 //!   [`subscriptions::sync`] mirrors them into PostgreSQL at start-up.
 //! - A published export gets one delivery per subscription that wants it, from a trigger in the
 //!   publishing transaction (migration `bucket_deliveries.sql`).
-//! - Every `serve` and `worker` process runs [`run`]: it creates the scheduled exports that are
-//!   due ([`subscriptions::schedule`]), leases due deliveries (a lease with a fencing generation,
-//!   one delivery at a time per subscription, oldest first) and copies them ([`copy`]), then
-//!   records the outcome: delivered, retried with jittered exponential backoff for passing
-//!   errors until `EXPORTD_DELIVERY_RETRY_FOR`, or failed at once when the store refuses.
-//!   `delivery.succeeded` and `delivery.failed` webhook events come from a trigger.
+//! - Every `serve` and `worker` process runs [`run`]: one loop creates the scheduled exports that
+//!   are due ([`subscriptions::schedule`]); another keeps `EXPORTD_DELIVERY_PARALLEL` slots busy:
+//!   whenever one frees it leases the next due delivery (a lease with a fencing generation, one
+//!   delivery at a time per subscription, fair between tenants and principals: [`Slots`]) and
+//!   copies it ([`copy`]) within `EXPORTD_DELIVERY_ATTEMPT_TIMEOUT`, then records the outcome:
+//!   delivered, retried with jittered exponential backoff for passing errors until
+//!   `EXPORTD_DELIVERY_RETRY_FOR`, or failed at once when the store refuses. A slow bucket holds
+//!   its own slot, never another tenant's delivery. `delivery.succeeded` and `delivery.failed`
+//!   webhook events come from a trigger.
 
 pub mod copy;
 pub mod store;
@@ -96,25 +99,15 @@ impl Courier {
         }
     }
 
-    /// One pass: scheduled exports that are due, then as many due deliveries as the process
-    /// runs at once (each to its end). Returns how many deliveries ran.
+    /// One deterministic step (tests, `exportd deliver`-style use): scheduled exports that are
+    /// due, then as many due deliveries as the slots take, each run to its end. Returns how many
+    /// deliveries ran.
     pub async fn pass(&self) -> anyhow::Result<usize> {
         subscriptions::schedule(self).await?;
-        let mut running = JoinSet::new();
-        for _ in 0..self.settings.delivery_parallel.max(1) {
-            let Some(claimed) =
-                store::claim(&self.pool, &self.owner, self.lease_ttl, self.settings.delivery_retry_for).await?
-            else {
-                break;
-            };
-            let courier = self.clone();
-            running.spawn(async move { courier.deliver(claimed).await });
-        }
-        let count = running.len();
-        while let Some(done) = running.join_next().await {
-            done??;
-        }
-        Ok(count)
+        let mut slots = Slots::new(self.clone());
+        let ran = slots.fill().await?;
+        while slots.next_done().await.is_some() {}
+        Ok(ran)
     }
 
     /// Runs one leased delivery to its outcome, renewing the lease meanwhile.
@@ -132,9 +125,17 @@ impl Courier {
                     }
                 }
             };
-            // Losing the lease drops the copy: its upload in progress is aborted.
+            // Losing the lease, or the attempt's time running out, drops the copy: its upload in
+            // progress is aborted; the files it completed stay checkpointed.
+            let limit = self.settings.delivery_attempt_timeout;
             let outcome = tokio::select! {
-                outcome = copy::attempt(self, &claimed) => outcome?,
+                outcome = tokio::time::timeout(limit, copy::attempt(self, &claimed)) => match outcome {
+                    Ok(outcome) => outcome?,
+                    Err(_) => Some(self.retry_later(&claimed, format!(
+                        "timeout: the attempt ran longer than {} (EXPORTD_DELIVERY_ATTEMPT_TIMEOUT); the next one resumes after the last file completed",
+                        humantime::format_duration(limit)
+                    ))),
+                },
                 () = renewing => None,
             };
             let Some(outcome) = outcome else {
@@ -145,7 +146,7 @@ impl Courier {
             metrics::counter!("exportd_bucket_deliveries_total", "outcome" => outcome.label()).increment(1);
             match (&outcome, state) {
                 (_, None) => tracing::warn!("a delivery attempt outlived its lease; its outcome was not recorded"),
-                (Outcome::Delivered, _) => tracing::info!("export delivered"),
+                (Outcome::Delivered { .. }, _) => tracing::info!("export delivered"),
                 (Outcome::Retry { error, .. } | Outcome::Fail { error }, Some(state)) => {
                     tracing::warn!(error = %error, state = %state, "delivery attempt failed");
                 }
@@ -186,7 +187,92 @@ pub async fn advance_chain(
     Ok(())
 }
 
-/// Delivers until `shutdown` turns true (inside `serve` and `worker`).
+/// The deliveries one process runs at once: a tenant holds at most half of the slots (rounded
+/// up), one principal at most half of its tenant's, so a slow bucket can only slow its own.
+pub struct Slots {
+    courier: Courier,
+    running: JoinSet<()>,
+    /// (tenant, principal) of each task running, by task id.
+    holders: std::collections::HashMap<tokio::task::Id, (String, String)>,
+}
+
+impl Slots {
+    pub fn new(courier: Courier) -> Slots {
+        Slots { courier, running: JoinSet::new(), holders: Default::default() }
+    }
+
+    fn capacity(&self) -> usize {
+        self.courier.settings.delivery_parallel.max(1)
+    }
+
+    fn tenant_share(&self) -> usize {
+        self.capacity().div_ceil(2)
+    }
+
+    fn principal_share(&self) -> usize {
+        self.tenant_share().div_ceil(2)
+    }
+
+    /// Leases due deliveries into the free slots; returns how many it started.
+    pub async fn fill(&mut self) -> anyhow::Result<usize> {
+        let mut started = 0;
+        while self.running.len() < self.capacity() {
+            let claimed = {
+                let mut tenants: std::collections::HashMap<&str, usize> = Default::default();
+                let mut principals: std::collections::HashMap<(&str, &str), usize> = Default::default();
+                for (tenant, principal) in self.holders.values() {
+                    *tenants.entry(tenant).or_default() += 1;
+                    *principals.entry((tenant, principal)).or_default() += 1;
+                }
+                let shares = store::Shares {
+                    full_tenants: tenants.iter().filter(|(_, n)| **n >= self.tenant_share()).map(|(t, _)| *t).collect(),
+                    full_principals: principals
+                        .iter()
+                        .filter(|(_, n)| **n >= self.principal_share())
+                        .map(|(p, _)| *p)
+                        .collect(),
+                };
+                let courier = &self.courier;
+                let settings = &courier.settings;
+                store::claim(&courier.pool, &courier.owner, courier.lease_ttl, settings.delivery_retry_for, &shares)
+                    .await?
+            };
+            let Some(claimed) = claimed else { break };
+            let holder = (claimed.tenant.clone(), claimed.principal.clone());
+            let courier = self.courier.clone();
+            let task = self.running.spawn(async move {
+                if let Err(e) = courier.deliver(claimed).await {
+                    tracing::warn!(
+                        error = format!("{e:#}"),
+                        "a delivery attempt stopped; its lease expires and it is retried"
+                    );
+                }
+            });
+            self.holders.insert(task.id(), holder);
+            started += 1;
+        }
+        Ok(started)
+    }
+
+    /// Waits for a running delivery to end (`None`: none is running).
+    pub async fn next_done(&mut self) -> Option<()> {
+        let done = self.running.join_next_with_id().await?;
+        let id = match done {
+            Ok((id, ())) => id,
+            Err(e) => e.id(),
+        };
+        self.holders.remove(&id);
+        Some(())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.running.is_empty()
+    }
+}
+
+/// Delivers until `shutdown` turns true (inside `serve` and `worker`): the schedule and the
+/// sweep of abandoned uploads on a loop of their own, deliveries in slots that take the next due
+/// one as soon as they free.
 pub async fn run(courier: Courier, mut shutdown: tokio::sync::watch::Receiver<bool>) {
     while let Err(e) = subscriptions::sync(&courier.pool, &courier.registry).await {
         tracing::warn!(error = %e, "recording the tenants' subscriptions failed; trying again");
@@ -195,27 +281,49 @@ pub async fn run(courier: Courier, mut shutdown: tokio::sync::watch::Receiver<bo
             _ = shutdown.changed() => return,
         }
     }
-    let mut last_sweep: Option<std::time::Instant> = None;
+    let scheduling = tokio::spawn(schedule_loop(courier.clone(), shutdown.clone()));
+    let sweeping = tokio::spawn(sweep_loop(courier.clone(), shutdown.clone()));
+    let mut slots = Slots::new(courier);
     while !*shutdown.borrow() {
-        if last_sweep.is_none_or(|at| at.elapsed() >= SWEEP_EVERY) {
-            last_sweep = Some(std::time::Instant::now());
-            courier.sweep_abandoned().await;
+        if let Err(e) = slots.fill().await {
+            tracing::warn!(error = format!("{e:#}"), "leasing deliveries failed; trying again");
         }
-        let busy = tokio::select! {
-            result = courier.pass() => match result {
-                Ok(ran) => ran > 0,
-                Err(e) => {
-                    tracing::warn!(error = format!("{e:#}"), "delivery pass failed; trying again");
-                    false
-                }
-            },
-            _ = shutdown.changed() => false,
-        };
-        if !busy {
-            tokio::select! {
-                _ = tokio::time::sleep(IDLE_POLL) => {}
-                _ = shutdown.changed() => {}
-            }
+        tokio::select! {
+            Some(()) = slots.next_done(), if !slots.is_empty() => {}
+            _ = tokio::time::sleep(IDLE_POLL) => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+    // Dropping the slots aborts the attempts running: their uploads are aborted, their files
+    // completed stay checkpointed, and their leases expire for another process.
+    drop(slots);
+    let _ = tokio::join!(scheduling, sweeping);
+}
+
+/// Creates the scheduled exports that are due, apart from copying so it never waits behind a
+/// slow bucket.
+async fn schedule_loop(courier: Courier, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    while !*shutdown.borrow() {
+        if let Err(e) = subscriptions::schedule(&courier).await {
+            tracing::warn!(error = format!("{e:#}"), "creating scheduled exports failed; trying again");
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(IDLE_POLL) => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+}
+
+/// Aborts abandoned uploads in partners' buckets every `SWEEP_EVERY`.
+async fn sweep_loop(courier: Courier, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    while !*shutdown.borrow() {
+        tokio::select! {
+            _ = courier.sweep_abandoned() => {}
+            _ = shutdown.changed() => return,
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(SWEEP_EVERY) => {}
+            _ = shutdown.changed() => {}
         }
     }
 }

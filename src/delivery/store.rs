@@ -23,27 +23,53 @@ pub struct Claimed {
     pub attempts: i32,
     pub files_done: i32,
     pub bytes_done: i64,
-    pub egress_counted: bool,
 }
 
 /// The attempt's lease is gone: another process took the delivery over (or a retry by hand).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseLost;
 
-/// Leases the oldest due delivery whose subscription has nothing older undelivered (so a
-/// partner's bucket receives its exports in order, and a failed one holds the rest until it is
-/// retried). Sets its give-up time on the first attempt.
-pub async fn claim(pool: &PgPool, owner: &str, lease: Duration, retry_for: Duration) -> sqlx::Result<Option<Claimed>> {
+/// What a process already runs, so one claim keeps to the shares: tenants and principals
+/// (`(tenant, principal)`) holding all the slots they may have here are skipped.
+#[derive(Debug, Default)]
+pub struct Shares<'a> {
+    pub full_tenants: Vec<&'a str>,
+    pub full_principals: Vec<(&'a str, &'a str)>,
+}
+
+/// Leases a due delivery whose subscription has nothing older undelivered (so a partner's bucket
+/// receives its exports in order, and a failed one holds the rest until it is retried), skipping
+/// the tenants and principals at their share. Among the rest, the tenant with the fewest
+/// deliveries running anywhere comes first, then its principal with the fewest, then the oldest
+/// due. Sets the give-up time on the first attempt.
+pub async fn claim(
+    pool: &PgPool,
+    owner: &str,
+    lease: Duration,
+    retry_for: Duration,
+    shares: &Shares<'_>,
+) -> sqlx::Result<Option<Claimed>> {
+    let (principal_tenants, principals): (Vec<&str>, Vec<&str>) = shares.full_principals.iter().copied().unzip();
     sqlx::query_as!(
         Claimed,
-        r#"WITH due AS (
+        r#"WITH running AS (
+               SELECT tenant, principal, count(*) AS n FROM bucket_deliveries
+                WHERE state = 'pending' AND lease_expires_at > now() GROUP BY tenant, principal),
+           due AS (
                SELECT d.id FROM bucket_deliveries d
                 WHERE d.state = 'pending' AND d.next_attempt_at <= now()
                   AND (d.lease_expires_at IS NULL OR d.lease_expires_at < now())
                   AND NOT EXISTS (SELECT 1 FROM bucket_deliveries o
                                    WHERE o.subscription_id = d.subscription_id AND o.state <> 'delivered'
                                      AND o.seq < d.seq)
-                ORDER BY d.next_attempt_at, d.seq LIMIT 1 FOR UPDATE OF d SKIP LOCKED)
+                  AND d.tenant <> ALL($4::text[])
+                  AND NOT EXISTS (SELECT 1 FROM unnest($5::text[], $6::text[]) AS full_(tenant, principal)
+                                   WHERE full_.tenant = d.tenant AND full_.principal = d.principal)
+                ORDER BY (SELECT coalesce(sum(r.n), 0) FROM running r WHERE r.tenant = d.tenant),
+                         (SELECT coalesce(sum(r.n), 0) FROM running r
+                           WHERE r.tenant = d.tenant AND r.principal = d.principal),
+                         d.next_attempt_at, d.seq
+                LIMIT 1 FOR UPDATE OF d SKIP LOCKED)
            UPDATE bucket_deliveries d
               SET attempts = d.attempts + 1, lease_generation = d.lease_generation + 1, lease_owner = $1,
                   lease_expires_at = now() + make_interval(secs => $2), last_attempt_at = now(),
@@ -51,10 +77,13 @@ pub async fn claim(pool: &PgPool, owner: &str, lease: Duration, retry_for: Durat
              FROM due
             WHERE d.id = due.id
         RETURNING d.id, d.tenant, d.principal, d.subscription, d.destination, d.export_id, d.dataset,
-                  d.lease_generation AS generation, d.attempts, d.files_done, d.bytes_done, d.egress_counted"#,
+                  d.lease_generation AS generation, d.attempts, d.files_done, d.bytes_done"#,
         owner,
         lease.as_secs_f64(),
         retry_for.as_secs_f64(),
+        &shares.full_tenants as &[&str],
+        &principal_tenants as &[&str],
+        &principals as &[&str],
     )
     .fetch_optional(pool)
     .await
@@ -74,84 +103,116 @@ pub async fn heartbeat(pool: &PgPool, claimed: &Claimed, lease: Duration) -> sql
     Ok(if renewed.rows_affected() == 1 { Ok(()) } else { Err(LeaseLost) })
 }
 
-/// Records that the first `files` files (of `bytes` bytes) are in the bucket, verified.
+/// A file completed in the bucket: its size and ETag as the bucket reported them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completed {
+    pub bytes: i64,
+    pub e_tag: Option<String>,
+}
+
+/// Records that file `ordinal` (0-based, in delivery order) is in the bucket, verified, as
+/// `completed`: every file up to it is done, `bytes_done` bytes of them.
 pub async fn checkpoint(
     pool: &PgPool,
     claimed: &Claimed,
-    files: i32,
-    bytes: i64,
+    ordinal: i32,
+    completed: &Completed,
+    bytes_done: i64,
 ) -> sqlx::Result<Result<(), LeaseLost>> {
+    let mut tx = pool.begin().await?;
     let recorded = sqlx::query!(
-        "UPDATE bucket_deliveries SET files_done = $3, bytes_done = $4
+        "UPDATE bucket_deliveries SET files_done = greatest(files_done, $3 + 1), bytes_done = $4
           WHERE id = $1 AND lease_generation = $2 AND state = 'pending'",
         claimed.id,
         claimed.generation,
-        files,
-        bytes,
+        ordinal,
+        bytes_done,
     )
-    .execute(pool)
+    .execute(&mut *tx)
     .await?;
-    Ok(if recorded.rows_affected() == 1 { Ok(()) } else { Err(LeaseLost) })
+    if recorded.rows_affected() == 0 {
+        return Ok(Err(LeaseLost));
+    }
+    sqlx::query!(
+        "INSERT INTO bucket_delivery_files (delivery_id, ordinal, bytes, e_tag) VALUES ($1, $2, $3, $4)
+         ON CONFLICT (delivery_id, ordinal) DO UPDATE SET bytes = excluded.bytes, e_tag = excluded.e_tag",
+        claimed.id,
+        ordinal,
+        completed.bytes,
+        completed.e_tag,
+    )
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(Ok(()))
 }
 
-/// Counts the export's bytes against the tenant's egress quota, once: in one transaction with
-/// the delivery's flag and an audit entry. `Ok(Err(rejection))` when today's quota is used up.
-pub async fn count_egress(
+/// The files earlier attempts completed, in order (the first `files_done`).
+pub async fn completed_files(pool: &PgPool, claimed: &Claimed) -> sqlx::Result<Vec<Completed>> {
+    sqlx::query_as!(
+        Completed,
+        "SELECT bytes, e_tag FROM bucket_delivery_files WHERE delivery_id = $1 AND ordinal < $2 ORDER BY ordinal",
+        claimed.id,
+        claimed.files_done,
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// Whether a file's bytes may be sent.
+#[derive(Debug)]
+pub enum Charge {
+    /// Counted against today's egress quota and in the delivery's `bytes_sent`.
+    Counted,
+    OverQuota(crate::quota::Rejection),
+    LeaseLost,
+}
+
+/// Counts `bytes` about to be sent against the tenant's egress quota and the delivery's
+/// `bytes_sent`, in one transaction under the lease. Every push counts: a file sent again (its
+/// upload failed, or the partner removed it) is counted again.
+pub async fn charge(
     pool: &PgPool,
     tenant: &crate::tenants::Tenant,
     claimed: &Claimed,
     bytes: u64,
-    bucket_path: &str,
     now: OffsetDateTime,
-) -> anyhow::Result<Result<(), crate::quota::Rejection>> {
+) -> anyhow::Result<Charge> {
     let mut tx = pool.begin().await?;
     if let Err(rejection) = crate::quota::egress::admit(&mut tx, tenant, bytes, now).await? {
-        return Ok(Err(rejection));
+        return Ok(Charge::OverQuota(rejection));
     }
-    let event = crate::audit::AuditEvent {
-        tenant: tenant.id.as_str(),
-        principal: &claimed.principal,
-        action: "delivered",
-        export_id: Some(claimed.export_id),
-        object: Some(bucket_path.to_owned()),
-        bytes: Some(bytes),
-        ..Default::default()
-    };
-    crate::audit::insert(&mut *tx, &event).await?;
-    let marked = sqlx::query!(
-        "UPDATE bucket_deliveries SET egress_counted = true
-          WHERE id = $1 AND lease_generation = $2 AND state = 'pending' AND NOT egress_counted",
+    let counted = sqlx::query!(
+        "UPDATE bucket_deliveries SET bytes_sent = bytes_sent + $3
+          WHERE id = $1 AND lease_generation = $2 AND state = 'pending'",
         claimed.id,
         claimed.generation,
+        bytes as i64,
     )
     .execute(&mut *tx)
     .await?;
-    if marked.rows_affected() == 0 {
-        anyhow::bail!("the delivery's lease was lost before its egress was counted");
+    if counted.rows_affected() == 0 {
+        return Ok(Charge::LeaseLost);
     }
     tx.commit().await?;
-    Ok(Ok(()))
+    Ok(Charge::Counted)
 }
 
 /// How an attempt ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    Delivered,
+    /// Every file and `_SUCCESS` are in the bucket, the folder at `path` (for the audit entry).
+    Delivered { path: String },
     /// Try again after `after` (failed once the give-up time has passed).
-    Retry {
-        error: String,
-        after: Duration,
-    },
+    Retry { error: String, after: Duration },
     /// No point trying again until someone changes something.
-    Fail {
-        error: String,
-    },
+    Fail { error: String },
 }
 
 impl Outcome {
     pub fn label(&self) -> &'static str {
         match self {
-            Outcome::Delivered => "delivered",
+            Outcome::Delivered { .. } => "delivered",
             Outcome::Retry { .. } => "retry",
             Outcome::Fail { .. } => "failed",
         }
@@ -159,14 +220,16 @@ impl Outcome {
 }
 
 /// Records the outcome under the attempt's lease; returns the state it left, or `None` when the
-/// lease was lost meanwhile (the newer attempt decides).
+/// lease was lost meanwhile (the newer attempt decides). A delivery gets its `delivered` audit
+/// entry (the bytes sent over all its attempts) in the same transaction.
 pub async fn record(pool: &PgPool, claimed: &Claimed, outcome: &Outcome) -> sqlx::Result<Option<String>> {
     let (state, error, after): (&str, Option<&str>, f64) = match outcome {
-        Outcome::Delivered => ("delivered", None, 0.0),
+        Outcome::Delivered { .. } => ("delivered", None, 0.0),
         Outcome::Retry { error, after } => ("pending", Some(error), after.as_secs_f64()),
         Outcome::Fail { error } => ("failed", Some(error), 0.0),
     };
-    sqlx::query_scalar!(
+    let mut tx = pool.begin().await?;
+    let recorded = sqlx::query!(
         "UPDATE bucket_deliveries
             SET state = CASE WHEN $3 = 'pending' AND now() + make_interval(secs => $5) > give_up_at
                              THEN 'failed' ELSE $3 END,
@@ -174,15 +237,30 @@ pub async fn record(pool: &PgPool, claimed: &Claimed, outcome: &Outcome) -> sqlx
                 delivered_at = CASE WHEN $3 = 'delivered' THEN now() END,
                 lease_owner = NULL, lease_expires_at = NULL
           WHERE id = $1 AND lease_generation = $2 AND state = 'pending'
-         RETURNING state",
+         RETURNING state, bytes_sent",
         claimed.id,
         claimed.generation,
         state,
         error,
         after,
     )
-    .fetch_optional(pool)
-    .await
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(recorded) = recorded else { return Ok(None) };
+    if let Outcome::Delivered { path } = outcome {
+        let event = crate::audit::AuditEvent {
+            tenant: &claimed.tenant,
+            principal: &claimed.principal,
+            action: "delivered",
+            export_id: Some(claimed.export_id),
+            object: Some(path.clone()),
+            bytes: Some(recorded.bytes_sent as u64),
+            ..Default::default()
+        };
+        crate::audit::insert(&mut *tx, &event).await?;
+    }
+    tx.commit().await?;
+    Ok(Some(recorded.state))
 }
 
 /// A delivery as the API shows it.
@@ -200,6 +278,8 @@ pub struct DeliveryView {
     pub attempts: i32,
     pub files_done: i32,
     pub bytes_done: i64,
+    /// Every byte pushed into the bucket over all attempts (what egress counted).
+    pub bytes_sent: i64,
     pub last_error: Option<String>,
     #[serde(with = "time::serde::rfc3339::option")]
     pub last_attempt_at: Option<OffsetDateTime>,
@@ -248,7 +328,7 @@ async fn select(
     sqlx::query_as!(
         DeliveryView,
         r#"SELECT id, subscription, destination, principal, export_id, dataset, mode, state, attempts, files_done,
-                  bytes_done, last_error, last_attempt_at,
+                  bytes_done, bytes_sent, last_error, last_attempt_at,
                   CASE WHEN state = 'pending' THEN next_attempt_at END AS next_attempt_at,
                   delivered_at, created_at, NULL::text AS path, seq AS "seq!"
              FROM bucket_deliveries
@@ -268,13 +348,13 @@ async fn select(
     .await
 }
 
-/// A failed delivery is pending again now, with a fresh retry period; the files already in the
-/// bucket are written again (same names, same bytes). Returns the state found before.
+/// A failed delivery is pending again now, with a fresh retry period. Its next attempt skips
+/// the files still in the bucket as it completed them (size and ETag) and sends the rest.
 pub async fn retry(pool: &PgPool, id: Uuid, retry_for: Duration) -> sqlx::Result<()> {
     sqlx::query!(
         "UPDATE bucket_deliveries
             SET state = 'pending', next_attempt_at = now(), give_up_at = now() + make_interval(secs => $2),
-                files_done = 0, bytes_done = 0, last_error = NULL
+                last_error = NULL
           WHERE id = $1 AND state = 'failed'",
         id,
         retry_for.as_secs_f64(),

@@ -31,7 +31,7 @@ pub struct DeliveriesParams {
     #[param(pattern = "^[A-Za-z0-9._-]{1,64}$")]
     subscription: Option<String>,
     /// `next_cursor` of the previous page.
-    #[param(pattern = "^[0-9]{1,18}$")]
+    #[param(pattern = "^[1-9][0-9]{0,17}$")]
     cursor: Option<String>,
     /// Page size, 1 to 500 (default 100).
     #[param(minimum = 1, maximum = 500)]

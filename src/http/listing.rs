@@ -14,11 +14,16 @@ pub fn limit(limit: Option<u32>) -> ApiResult<u32> {
     }
 }
 
-/// The position before which the page starts: a `next_cursor` this listing handed out.
+/// The position before which the page starts: a `next_cursor` this listing handed out (a
+/// positive number as the OpenAPI pattern says: `^[1-9][0-9]{0,17}$`; `-1`, `0`, `01` are refused).
 pub fn before(cursor: Option<&str>) -> ApiResult<Option<i64>> {
+    let handed_out = |text: &str| {
+        (1..=18).contains(&text.len()) && text.bytes().all(|b| b.is_ascii_digit()) && !text.starts_with('0')
+    };
     cursor
-        .map(|text| {
-            text.parse::<i64>().map_err(|_| ApiError::invalid_field("cursor", "not a cursor from this listing"))
+        .map(|text| match text.parse::<i64>() {
+            Ok(seq) if handed_out(text) => Ok(seq),
+            _ => Err(ApiError::invalid_field("cursor", "not a cursor from this listing")),
         })
         .transpose()
 }
@@ -41,5 +46,19 @@ pub fn name<'a>(field: &str, name: Option<&'a str>) -> ApiResult<Option<&'a str>
             Err(ApiError::invalid_field(field, "a name from the tenant file: 1-64 letters, digits, `-`, `_` or `.`"))
         }
         other => Ok(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::before;
+
+    #[test]
+    fn a_cursor_is_a_positive_number_as_handed_out() {
+        assert_eq!(before(Some("42")).unwrap(), Some(42));
+        assert_eq!(before(None).unwrap(), None);
+        for refused in ["-1", "0", "01", "+4", "1.5", "x", "", "1234567890123456789"] {
+            assert!(before(Some(refused)).is_err(), "{refused:?}");
+        }
     }
 }

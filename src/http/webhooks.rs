@@ -39,7 +39,7 @@ pub struct DeliveriesParams {
     export_id: Option<String>,
     /// `next_cursor` of the previous page: an opaque token this API handed out (any other text
     /// is refused with 400 naming `cursor`).
-    #[param(pattern = "^[0-9]{1,18}$")]
+    #[param(pattern = "^[1-9][0-9]{0,17}$")]
     cursor: Option<String>,
     /// Page size, 1 to 500 (default 100).
     #[param(minimum = 1, maximum = 500)]

@@ -100,10 +100,10 @@ impl Remote {
         }
     }
 
-    /// The size of the stored object `key`, or `None` when it does not exist.
-    pub async fn size(&self, key: &ObjectKey) -> StoreResult<Option<u64>> {
+    /// The size and ETag of the stored object `key`, or `None` when it does not exist.
+    pub async fn head(&self, key: &ObjectKey) -> StoreResult<Option<(u64, Option<String>)>> {
         match self.store.head(&self.path(key.as_str())).await {
-            Ok(meta) => Ok(Some(meta.size)),
+            Ok(meta) => Ok(Some((meta.size, meta.e_tag))),
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(e.into()),
         }

@@ -251,6 +251,15 @@ async fn the_dashboard_asks_for_an_admin_token(pool: PgPool) {
     };
     let partner = sign_in(&app.client, app.token("acme", "zenpartner"), &origin).await.unwrap();
     assert_eq!(partner.status(), 401);
+    let huge = sign_in(&app.client, "x".repeat(1 << 20), &origin).await.unwrap();
+    assert_eq!(huge.status(), 413, "a sign-in form is one token, not a megabyte");
+    // A bearer token on the page itself: a partner's is 403, an invalid one 401 (as the API).
+    let as_partner = app.get(Some(&app.token("acme", "zenpartner")), "/dashboard").await;
+    assert_eq!(as_partner.status(), 403);
+    assert!(!as_partner.text().await.unwrap().contains("Acme (tests)"), "nothing of the tenant's page");
+    let invalid = app.get(Some("not-a-token"), "/dashboard").await;
+    assert_eq!(invalid.status(), 401);
+    assert_eq!(invalid.headers()["www-authenticate"], "Bearer");
     let admin = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
     let alice = app.token("acme", "alice");
     // A form on another site (or a sandboxed frame: origin null) cannot sign a browser in.

@@ -79,6 +79,11 @@ pub(crate) fn courier_allowing(app: &TestApp, registry: Arc<Registry>, allowed: 
         delivery_first_retry: Duration::from_millis(200),
         ..DeliverySettings::default()
     };
+    courier_with(app, registry, settings)
+}
+
+/// A courier with `settings`.
+pub(crate) fn courier_with(app: &TestApp, registry: Arc<Registry>, settings: DeliverySettings) -> Courier {
     let keys = Arc::new(LinkKeys::parse(LINK_KEYS).unwrap());
     Courier::new(
         app.pool.clone(),
@@ -312,7 +317,7 @@ async fn a_subscription_fills_the_bucket_with_exports_that_add_up_to_a_fresh_ful
     audited.sort();
     paths.sort();
     assert_eq!(audited, paths);
-    for cursor in ["x", "1.5"] {
+    for cursor in ["x", "1.5", "-1", "0", "01"] {
         let response =
             app.client.get(format!("{api}/v1/deliveries?cursor={cursor}")).bearer_auth(&partner).send().await.unwrap();
         assert_eq!(response.status(), 400, "cursor={cursor}");

@@ -261,15 +261,19 @@ format = "jsonl"
         sqlx::query_scalar("SELECT count(*) FROM pending_uploads").fetch_one(&app.pool).await.unwrap();
     assert_eq!(registered, 0, "no upload left registered for the cleaner");
 
-    // Each export's bytes counted against the egress quota once, however many attempts it took.
-    let (egress, audited): (i64, i64) = sqlx::query_as(
+    // Every byte sent counted against the egress quota: each export at least once (a file sent
+    // again after the kill or the freeze counts again), in one audit entry per export.
+    let (egress, sent, audited, audited_bytes): (i64, i64, i64, i64) = sqlx::query_as(
         "SELECT (SELECT coalesce(sum(egress_bytes), 0)::bigint FROM tenant_usage WHERE tenant = 'acme'),
-                (SELECT count(*) FROM audit_log WHERE action = 'delivered')",
+                (SELECT sum(bytes_sent)::bigint FROM bucket_deliveries),
+                (SELECT count(*) FROM audit_log WHERE action = 'delivered'),
+                (SELECT sum(bytes)::bigint FROM audit_log WHERE action = 'delivered')",
     )
     .fetch_one(&app.pool)
     .await
     .unwrap();
-    assert_eq!((egress as u64, audited), (delivered_bytes, 3));
+    assert_eq!((egress, audited, audited_bytes), (sent, 3, sent));
+    assert!(sent as u64 >= delivered_bytes, "{sent} bytes counted, {delivered_bytes} delivered");
 
     for worker in &workers.0 {
         terminate(worker);

@@ -10,7 +10,7 @@ mod pages;
 mod units;
 
 use axum::extract::{Path, State};
-use axum::http::header::{CONTENT_SECURITY_POLICY, CONTENT_TYPE, LOCATION, SET_COOKIE};
+use axum::http::header::{CONTENT_SECURITY_POLICY, CONTENT_TYPE, LOCATION, SET_COOKIE, WWW_AUTHENTICATE};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -26,11 +26,15 @@ use crate::usage::history::{self, Granularity};
 
 const CSP: &str = "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'";
 
+/// The largest sign-in form accepted (a token is well under 1 KiB).
+const SIGN_IN_BODY: usize = 16 * 1024;
+
 pub fn router() -> Router<AppState> {
     Router::new()
         .route("/dashboard", get(dashboard))
         .route("/dashboard/exports/{id}", get(export_page))
-        .route("/dashboard/signin", post(sign_in))
+        // A sign-in form holds one token: a larger body is refused before it is read.
+        .route("/dashboard/signin", post(sign_in).layer(axum::extract::DefaultBodyLimit::max(SIGN_IN_BODY)))
         .route("/dashboard/session", get(open_ticket))
         .route("/v1/dashboard/tickets", post(new_ticket))
 }
@@ -96,12 +100,27 @@ fn signed_in(state: &AppState, caller: &Caller, headers: &HeaderMap) -> Response
 }
 
 /// The signed-in tenant admin (a dashboard session or an admin bearer token), or the page to
-/// answer instead: the sign-in form, or a refusal of the tenant's request limits.
+/// answer instead: the sign-in form (200 to a browser without credentials; 401 to an invalid
+/// bearer token), 403 to a valid token that is not an admin's, or a refusal of the tenant's
+/// request limits.
 fn signed_in_admin(state: &AppState, headers: &HeaderMap) -> Result<Caller, Box<Response>> {
-    let bearer = bearer(headers).and_then(|t| admin(state, t));
-    let caller = bearer
-        .or_else(|| session::session_caller(state, headers))
-        .ok_or_else(|| Box::new(page(StatusCode::OK, pages::sign_in(None))))?;
+    let caller = match bearer(headers) {
+        Some(token) => match auth::authenticate(&state.registry, token) {
+            Ok(caller) if caller.principal.is_admin() => caller,
+            Ok(_) => {
+                let refusal = pages::message("Not for partners", "The dashboard is for the tenant's admins.");
+                return Err(Box::new(page(StatusCode::FORBIDDEN, refusal)));
+            }
+            Err(_) => {
+                let form = pages::sign_in(Some("That token is not a valid tenant admin token."));
+                let mut refused = page(StatusCode::UNAUTHORIZED, form);
+                refused.headers_mut().insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                return Err(Box::new(refused));
+            }
+        },
+        None => session::session_caller(state, headers)
+            .ok_or_else(|| Box::new(page(StatusCode::OK, pages::sign_in(None))))?,
+    };
     super::extract::admit(state, &caller).map_err(|refused| Box::new(refused.into_response()))?;
     Ok(caller)
 }
