@@ -233,8 +233,8 @@ impl BucketConfig {
                 let mut builder = MicrosoftAzureBuilder::new()
                     .with_container_name(&self.url.bucket)
                     .with_retry(retry())
-                    .with_allow_http(allow_http)
-                    .with_client_options(options);
+                    // (client options carry allow_http: set after them it would be overwritten)
+                    .with_client_options(options.with_allow_http(allow_http));
                 if let Some(endpoint) = &self.endpoint {
                     builder = builder.with_endpoint(endpoint.clone());
                 }

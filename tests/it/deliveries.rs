@@ -28,6 +28,80 @@ fn partner_bucket(pool: &PgPool, prefix: &str) -> Remote {
     bucket_reader(pool, "PARTNER", prefix)
 }
 
+/// Where a partner's bucket is in these tests: an S3 SeaweedFS or an Azure Blob azurite.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Partner {
+    S3,
+    Azure,
+}
+
+impl Partner {
+    /// The bucket under `prefix`, as the partner (or its loader) reads it.
+    pub(crate) fn bucket(self, pool: &PgPool, prefix: &str) -> Remote {
+        match self {
+            Partner::S3 => partner_bucket(pool, prefix),
+            Partner::Azure => {
+                let config = BucketConfig {
+                    url: BucketUrl {
+                        provider: Provider::Azure,
+                        bucket: var("EXPORTD_TEST_AZURE_CONTAINER"),
+                        prefix: prefix.into(),
+                    },
+                    endpoint: Some(var("EXPORTD_TEST_AZURE_ENDPOINT")),
+                    region: None,
+                    credentials: Credentials::Azure {
+                        account: var("EXPORTD_TEST_AZURE_ACCOUNT"),
+                        access_key: var("EXPORTD_TEST_AZURE_ACCESS_KEY").into(),
+                    },
+                };
+                Remote::connect(&config, &exportd::storage::bucket::Reach::Own, "test-reader", pool.clone()).unwrap()
+            }
+        }
+    }
+
+    /// A destination `name` for `principal` under `prefix`, its secret from `secret` (a
+    /// reference).
+    pub(crate) fn destination(self, name: &str, principal: &str, prefix: &str, secret: &str) -> String {
+        match self {
+            Partner::S3 => format!(
+                r#"
+[[destinations]]
+name = "{name}"
+principal = "{principal}"
+url = "s3://{bucket}/{prefix}"
+endpoint = "{endpoint}"
+credentials.access_key_id = {{ env = "EXPORTD_TEST_PARTNER_S3_ACCESS_KEY_ID" }}
+credentials.secret_access_key = {secret}
+"#,
+                bucket = var("EXPORTD_TEST_PARTNER_S3_BUCKET"),
+                endpoint = var("EXPORTD_TEST_PARTNER_S3_ENDPOINT"),
+            ),
+            Partner::Azure => format!(
+                r#"
+[[destinations]]
+name = "{name}"
+principal = "{principal}"
+url = "az://{container}/{prefix}"
+endpoint = "{endpoint}"
+credentials.account = "{account}"
+credentials.access_key = {secret}
+"#,
+                container = var("EXPORTD_TEST_AZURE_CONTAINER"),
+                endpoint = var("EXPORTD_TEST_AZURE_ENDPOINT"),
+                account = var("EXPORTD_TEST_AZURE_ACCOUNT"),
+            ),
+        }
+    }
+
+    /// The reference to the partner's real secret.
+    pub(crate) fn secret(self) -> &'static str {
+        match self {
+            Partner::S3 => PARTNER_SECRET,
+            Partner::Azure => r#"{ env = "EXPORTD_TEST_AZURE_ACCESS_KEY" }"#,
+        }
+    }
+}
+
 /// A test store's bucket under `prefix` with its own credentials (`EXPORTD_TEST_<store>_S3_*`).
 pub(crate) fn bucket_reader(pool: &PgPool, store: &str, prefix: &str) -> Remote {
     let setting = |name: &str| var(&format!("EXPORTD_TEST_{store}_S3_{name}"));
@@ -44,19 +118,17 @@ pub(crate) fn bucket_reader(pool: &PgPool, store: &str, prefix: &str) -> Remote 
 }
 
 /// acme with a destination for zenpartner (row filter region = emea) under `prefix` of the
-/// partner's bucket, whose secret comes from `secret` (a reference), and `subscription`.
+/// partner's S3 bucket, whose secret comes from `secret` (a reference), and `subscription`.
 fn registry_with(prefix: &str, secret: &str, subscription: &str) -> Arc<Registry> {
-    let (endpoint, bucket) = (var("EXPORTD_TEST_PARTNER_S3_ENDPOINT"), var("EXPORTD_TEST_PARTNER_S3_BUCKET"));
+    registry_at(Partner::S3, prefix, secret, subscription)
+}
+
+/// [`registry_with`] for the partner's bucket at `partner`.
+fn registry_at(partner: Partner, prefix: &str, secret: &str, subscription: &str) -> Arc<Registry> {
+    let destination = partner.destination("zen-landing", "zenpartner", prefix, secret);
     let text = format!(
         r#"
-[[destinations]]
-name = "zen-landing"
-principal = "zenpartner"
-url = "s3://{bucket}/{prefix}"
-endpoint = "{endpoint}"
-credentials.access_key_id = {{ env = "EXPORTD_TEST_PARTNER_S3_ACCESS_KEY_ID" }}
-credentials.secret_access_key = {secret}
-
+{destination}
 [[subscriptions]]
 name = "zen-tickets"
 destination = "zen-landing"
@@ -166,9 +238,18 @@ async fn settle(app: &TestApp, courier: &Courier) {
 
 #[sqlx::test(migrations = "./migrations")]
 async fn a_subscription_fills_the_bucket_with_exports_that_add_up_to_a_fresh_full_export(pool: PgPool) {
+    fills_the_bucket(pool, Partner::S3).await;
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_subscription_fills_an_azure_container_with_exports_that_add_up_to_a_fresh_full_export(pool: PgPool) {
+    fills_the_bucket(pool, Partner::Azure).await;
+}
+
+async fn fills_the_bucket(pool: PgPool, partner_at: Partner) {
     let app = TestApp::spawn(pool).await;
     let prefix = format!("t-{}", uuid::Uuid::new_v4().simple());
-    let registry = registry_with(&prefix, PARTNER_SECRET, r#"incremental_every = "1h""#);
+    let registry = registry_at(partner_at, &prefix, partner_at.secret(), r#"incremental_every = "1h""#);
     let courier = courier(&app, registry.clone(), true);
     subscriptions::sync(&app.pool, &registry).await.unwrap();
     let admin = app.token("acme", "alice");
@@ -184,7 +265,7 @@ async fn a_subscription_fills_the_bucket_with_exports_that_add_up_to_a_fresh_ful
     ingest(&app, &admin, records(0, 120, "first")).await;
 
     // A loader polls the bucket the whole time: a folder with `_SUCCESS` is always complete.
-    let bucket = partner_bucket(&app.pool, &prefix);
+    let bucket = partner_at.bucket(&app.pool, &prefix);
     let stop = Arc::new(AtomicBool::new(false));
     let checks = Arc::new(AtomicUsize::new(0));
     let poller = tokio::spawn({
@@ -306,7 +387,11 @@ async fn a_subscription_fills_the_bucket_with_exports_that_add_up_to_a_fresh_ful
     let listed = page["deliveries"].as_array().unwrap();
     assert_eq!(listed.len(), folders.len());
     let path = listed[0]["path"].as_str().unwrap();
-    assert!(path.starts_with(&format!("s3://{}/{prefix}/tickets/", var("EXPORTD_TEST_PARTNER_S3_BUCKET"))), "{path}");
+    let root = match partner_at {
+        Partner::S3 => format!("s3://{}/{prefix}/tickets/", var("EXPORTD_TEST_PARTNER_S3_BUCKET")),
+        Partner::Azure => format!("az://{}/{prefix}/tickets/", var("EXPORTD_TEST_AZURE_CONTAINER")),
+    };
+    assert!(path.starts_with(&root), "{path}");
     // The audit log names each delivery's folder as the API does (no endpoint spliced in).
     let mut audited: Vec<String> =
         sqlx::query_scalar("SELECT object FROM audit_log WHERE action = 'delivered' ORDER BY object")

@@ -13,7 +13,7 @@ use sqlx::PgPool;
 use tokio::net::TcpListener;
 
 use crate::common::{TestApp, edited_tenants_dir};
-use crate::deliveries::{bucket_reader, courier_with, var};
+use crate::deliveries::{Partner, bucket_reader, courier_with, var};
 
 /// A "bucket" that accepts connections and never answers.
 async fn silent_bucket() -> String {
@@ -165,11 +165,21 @@ async fn sent(pool: &PgPool) -> (i32, i64, i64) {
 
 #[sqlx::test(migrations = "./migrations")]
 async fn a_delivery_retried_by_hand_sends_only_what_the_bucket_lacks_and_counts_every_byte_sent(pool: PgPool) {
+    resumes_from_the_bucket(pool, Partner::S3).await;
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_delivery_into_an_azure_container_retried_by_hand_sends_only_what_it_lacks(pool: PgPool) {
+    resumes_from_the_bucket(pool, Partner::Azure).await;
+}
+
+async fn resumes_from_the_bucket(pool: PgPool, partner_at: Partner) {
     let app = TestApp::spawn(pool).await;
     let prefix = format!("r-{}", uuid::Uuid::new_v4().simple());
-    let endpoint = var("EXPORTD_TEST_PARTNER_S3_ENDPOINT");
-    let tenants =
-        edited_tenants_dir("acme", |t| format!("{t}\n{}", subscribed("zen", "zenpartner", &endpoint, &prefix)));
+    let destination = partner_at.destination("zen", "zenpartner", &prefix, partner_at.secret());
+    let subscription =
+        "[[subscriptions]]\nname = \"zen\"\ndestination = \"zen\"\ndataset = \"tickets\"\nformat = \"jsonl\"\n";
+    let tenants = edited_tenants_dir("acme", |t| format!("{t}\n{destination}\n{subscription}"));
     let registry = Arc::new(Registry::load(tenants.path()).unwrap());
     subscriptions::sync(&app.pool, &registry).await.unwrap();
     app.seed("acme", "tickets", 3000).await;
@@ -198,7 +208,7 @@ async fn a_delivery_retried_by_hand_sends_only_what_the_bucket_lacks_and_counts_
 
     // The bucket then lost `_SUCCESS` and the second shard, and the delivery is marked failed (as
     // when a bucket refuses the marker); an admin retries it by hand.
-    let bucket = bucket_reader(&app.pool, "PARTNER", &prefix);
+    let bucket = partner_at.bucket(&app.pool, &prefix);
     let folder = format!("tickets/{export}");
     let before: Vec<_> = bucket.list(None).await.unwrap();
     let second_key = format!("{folder}/{}", shards[1].0);
