@@ -160,7 +160,7 @@ impl ExportSpec {
             row_filter: row_filter_json(&caller.principal.row_filter),
             column_policy: policy.map(|p| p.fingerprint().to_owned()),
             shard_rows,
-            schema_sha256: served.sha256.clone(),
+            schema_sha256: crate::schemas::served_sha256(served, policy),
             schema_version: served.version.to_string(),
         })
     }

@@ -41,29 +41,29 @@ pub struct ChangePage {
     pub end_of_stream: bool,
 }
 
-impl ChangePage {
-    /// Shows every change's data as `served` has it (its columns only, retired ones null).
-    pub fn project(&mut self, served: &crate::schemas::ServedSchema) -> serde_json::Result<()> {
-        for change in &mut self.changes {
-            if let Some(data) = &change.data {
-                change.data = Some(RawValue::from_string(served.project(data.get())?)?);
-            }
+impl Change {
+    /// The change's data as `served` has it (its columns only, retired ones null).
+    pub fn projected(mut self, served: &crate::schemas::ServedSchema) -> serde_json::Result<Change> {
+        if let Some(data) = &self.data {
+            self.data = Some(RawValue::from_string(served.project(data.get())?)?);
         }
-        Ok(())
+        Ok(self)
     }
 
-    /// Puts every change through the partner's column policy (keys and data), after the page's
-    /// positions were taken from the real keys.
-    pub fn mask(&mut self, policy: &crate::masking::ColumnPolicy) -> serde_json::Result<()> {
-        for change in &mut self.changes {
-            change.key = policy.key(&change.key).into_owned();
-            if let Some(data) = &change.data {
-                change.data = Some(RawValue::from_string(policy.record(data.get())?)?);
-            }
+    /// The change through the partner's column policy (key and data).
+    pub fn masked(mut self, policy: &crate::masking::ColumnPolicy) -> serde_json::Result<Change> {
+        self.key = policy.key(&self.key).into_owned();
+        if let Some(data) = &self.data {
+            self.data = Some(RawValue::from_string(policy.record(data.get())?)?);
         }
-        Ok(())
+        Ok(self)
     }
 }
+
+/// How a page's changes are shown to its reader (projected to its schema version, through its
+/// column policy): applied before a change counts towards the page's bytes, so where a page ends
+/// depends only on what the reader receives.
+pub type Shape<'a> = &'a (dyn Fn(Change) -> serde_json::Result<Change> + Sync);
 
 /// What to read: whose changes, narrowed how, sealed by when.
 pub struct Feed<'a> {
@@ -91,7 +91,13 @@ const SCAN_BATCH: usize = 2_000;
 /// delivered until `limit` changes are found or the window ends, and the cursor stops at the
 /// last change delivered — never at a key outside the partner's row filter, so neither the
 /// cursor nor the page depends on records the partner may not see.
-pub async fn page(pool: &PgPool, feed: &Feed<'_>, mut position: Cursor, limit: usize) -> sqlx::Result<ChangePage> {
+pub async fn page(
+    pool: &PgPool,
+    feed: &Feed<'_>,
+    mut position: Cursor,
+    limit: usize,
+    shape: Shape<'_>,
+) -> sqlx::Result<ChangePage> {
     let mut filling = Filling::new(limit);
     loop {
         let window = next_window(pool, feed.tenant, feed.dataset, &position.from, feed.seal).await?;
@@ -99,7 +105,7 @@ pub async fn page(pool: &PgPool, feed: &Feed<'_>, mut position: Cursor, limit: u
             return Ok(ChangePage { changes: filling.items, next: position, end_of_stream: true });
         };
         let start = position.after.clone().unwrap_or_default();
-        if let Some(last) = collect(pool, feed, &window, &start, &mut filling, |c| c).await? {
+        if let Some(last) = collect(pool, feed, &window, &start, &mut filling, shape, |c| c).await? {
             position.after = Some(last);
             return Ok(ChangePage { changes: filling.items, next: position, end_of_stream: false });
         }
@@ -122,15 +128,16 @@ impl<T> Filling<T> {
     }
 }
 
-/// Reads `window`'s changes after key `after` into `page` (through `wrap`) until it holds its
-/// limit of changes or [`PAGE_BYTES`]: then returns the key of the last change taken. `None`
-/// when the window ran out first.
+/// Reads `window`'s changes after key `after` into `page` (shaped by `shape`, then through
+/// `wrap`) until it holds its limit of changes or [`PAGE_BYTES`] of shaped changes: then returns
+/// the (real) key of the last change taken. `None` when the window ran out first.
 async fn collect<T>(
     pool: &PgPool,
     feed: &Feed<'_>,
     window: &Window,
     after: &str,
     page: &mut Filling<T>,
+    shape: Shape<'_>,
     wrap: impl Fn(Change) -> T,
 ) -> sqlx::Result<Option<String>> {
     use futures_util::TryStreamExt;
@@ -149,8 +156,9 @@ async fn collect<T>(
             read += 1;
             last_read = Some(row.key.clone());
             let Some(change) = row.change() else { continue };
-            page.bytes += change.bytes();
             let last = change.key.clone();
+            let change = shape(change).map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+            page.bytes += change.bytes();
             page.items.push(wrap(change));
             if page.items.len() == page.limit || page.bytes >= PAGE_BYTES {
                 return Ok(Some(last));
@@ -269,7 +277,7 @@ pub async fn chain_page(
     while let Some(w) = window {
         let id = w.id;
         let wrap = |change: Change| (ChainPosition { window_id: id, after: change.key.clone() }, change);
-        if collect(pool, feed, &w, &after, &mut filling, wrap).await?.is_some() {
+        if collect(pool, feed, &w, &after, &mut filling, &Ok, wrap).await?.is_some() {
             let last = filling.items.last().map(|(p, _)| p.clone());
             return Ok((filling.items, last, false));
         }

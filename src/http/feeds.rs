@@ -92,22 +92,27 @@ async fn changes(
         row_filter: &row_filter,
         seal: Seal::Delayed { now, safety_delay_seconds: caller.tenant.feeds.safety_delay_seconds },
     };
-    let mut page = feeds::page(&state.pool, &feed, cursor, limit).await?;
     let versions = caller.tenant.versions(schema.name.as_str()).expect("an exposed dataset has versions");
     let served = versions.served(caller.principal.schema_pin(schema.name.as_str()));
-    if versions.projects(served) {
-        page.project(served).map_err(anyhow::Error::from)?;
-    }
-    if let Some(policy) = caller.principal.column_policy(schema.name.as_str()) {
-        page.mask(policy).map_err(anyhow::Error::from)?;
-    }
+    let projects = versions.projects(served);
+    let policy = caller.principal.column_policy(schema.name.as_str());
+    // Shaped before it counts towards the page's bytes: where a page ends depends only on what
+    // the caller receives.
+    let shape = |change: feeds::Change| {
+        let change = if projects { change.projected(served)? } else { change };
+        match policy {
+            Some(policy) => change.masked(policy),
+            None => Ok(change),
+        }
+    };
+    let page = feeds::page(&state.pool, &feed, cursor, limit, &shape).await?;
     let retry = page.end_of_stream.then(|| caller.tenant.feeds.safety_delay_seconds.clamp(1, 30));
     Ok(axum::Json(ChangesPage {
         changes: page.changes,
         next_cursor: page.next.encode(&state.links),
         end_of_stream: page.end_of_stream,
         retry_after_seconds: retry,
-        schema: served.stamp(),
+        schema: served.stamp_for(policy),
     }))
 }
 

@@ -1,5 +1,6 @@
 //! `GET /v1/datasets/{dataset}/schema`: the schema version the caller receives and every
-//! recorded version, each as the caller sees it (after its column policy).
+//! recorded version, each as the caller sees it (after its column policy), with the sha256 it
+//! is shown (`schemas::sha256_seen`).
 
 use axum::extract::State;
 use serde::Serialize;
@@ -13,8 +14,7 @@ use super::feeds::readable_dataset;
 use super::state::AppState;
 use crate::auth::Caller;
 use crate::masking::ColumnPolicy;
-use crate::schemas::{HistoryEntry, ServedSchema};
-use crate::tenants::DatasetSchema;
+use crate::schemas::{HistoryEntry, columns_seen, served_columns, sha256_seen};
 use crate::writers::OutputColumn;
 
 pub fn router() -> OpenApiRouter<AppState> {
@@ -80,10 +80,10 @@ async fn dataset_schema(
     let history = crate::schemas::history(&state.pool, name).await?;
     Ok(axum::Json(SchemaDocument {
         dataset: name.to_owned(),
-        served: ServedView {
-            version: served.version.to_string(),
-            sha256: served.sha256.clone(),
-            columns: served_columns(served, policy),
+        served: {
+            let columns = served_columns(served, policy);
+            let sha256 = sha256_seen(name, &served.sha256, &columns, policy);
+            ServedView { version: served.version.to_string(), sha256, columns }
         },
         current_version: versions.current.version.to_string(),
         pinned_major: caller.tenant.effective_pin(name, &caller.principal),
@@ -91,31 +91,15 @@ async fn dataset_schema(
     }))
 }
 
-/// The key column, then `schema`'s columns, as a caller under `policy` receives them.
-fn columns_seen(schema: &DatasetSchema, policy: Option<&ColumnPolicy>) -> Vec<OutputColumn> {
-    let key = OutputColumn::key(schema.key_column.as_str());
-    std::iter::once(key)
-        .chain(schema.columns.iter().map(OutputColumn::of))
-        .filter_map(|column| match policy {
-            Some(policy) => policy.output_column(column),
-            None => Some(column),
-        })
-        .collect()
-}
-
-fn served_columns(served: &ServedSchema, policy: Option<&ColumnPolicy>) -> Vec<OutputColumn> {
-    let mut columns = columns_seen(&served.schema, policy);
-    columns.iter_mut().filter(|c| served.is_retired(&c.name)).for_each(OutputColumn::retire);
-    columns
-}
-
 fn version_view(entry: &HistoryEntry, policy: Option<&ColumnPolicy>) -> VersionView {
+    let schema = &entry.recorded.schema;
+    let columns = columns_seen(schema, policy);
     VersionView {
         version: entry.recorded.version.to_string(),
-        sha256: entry.recorded.sha256.clone(),
+        sha256: sha256_seen(schema.name.as_str(), &entry.recorded.sha256, &columns, policy),
         change: entry.change.clone(),
         changes: crate::schemas::as_seen(&entry.changes, policy),
-        columns: columns_seen(&entry.recorded.schema, policy),
+        columns,
         recorded_at: entry.recorded_at,
     }
 }

@@ -432,6 +432,9 @@ async fn query_table(
         .with("field", "startingVersion"));
     }
     let which = which(request.version, request.timestamp.as_deref())?;
+    // Judging a version's files and signing a link per file costs CPU in proportion to the
+    // version's files and the client's hint: in the tenant's turn on the CPU.
+    let _turn = state.limits.cpu_turn(&caller).await?;
     let (tenant, principal) = (caller.tenant.id.as_str(), caller.principal.id.as_str());
     let version = crate::sharing::resolve(&state.pool, tenant, principal, table.as_str(), which).await?;
     let (job, columns) = version_export(&state, &caller, &version).await?;
@@ -596,6 +599,10 @@ pub struct ChangesParams {
 
 /// Versions one change request may span: its answer holds every file of the range.
 const MAX_CHANGE_VERSIONS: i64 = 100;
+/// File actions one changes response holds at most (each is a signed link, about 1 KiB): a
+/// range whose versions hold more is refused, naming the last ending version that fits. One
+/// version always fits (an export has at most `max_shards` files, removed and added).
+const MAX_CHANGE_FILES: usize = 25_000;
 
 /// What versions `startingVersion..=endingVersion` changed. Version 0 adds every file. A later
 /// version answers with its change file (`cdf`): its rows changed since the version before, as
@@ -666,6 +673,8 @@ async fn table_changes(
             format!("one request spans at most {MAX_CHANGE_VERSIONS} versions; ask for the rest next"),
         ));
     }
+    // A link per file of up to 100 versions: in the tenant's turn on the CPU.
+    let _turn = state.limits.cpu_turn(&caller).await?;
     let versions = crate::sharing::versions_between(pool, tenant, principal, dataset, (start - 1).max(0), end).await?;
     let Some(last) = versions.last() else { return Err(VersionError::NoVersion.into()) };
     let (job, columns) = version_export(&state, &caller, last).await?;
@@ -673,11 +682,23 @@ async fn table_changes(
     let links = FileLinks::new(&state, &caller, &headers)?;
     // Version `start` is compared with the one before it (fetched above); version 0 with nothing.
     let first = usize::from(start > 0);
+    let mut files = 0usize;
     for index in first..versions.len() {
         let version = &versions[index];
+        if files > MAX_CHANGE_FILES {
+            let fits = version.version - 2;
+            return Err(ApiError::invalid_field(
+                "endingVersion",
+                format!(
+                    "versions {start} to {end} hold more than {MAX_CHANGE_FILES} files; ask up to version {} first",
+                    fits.max(start)
+                ),
+            ));
+        }
         let (job, columns) = version_export(&state, &caller, version).await?;
         if let Some(file) = version.change_file() {
             body.push_str(&links.change_action(version, &job, &file).line(FileKind::Cdf));
+            files += 1;
             continue;
         }
         let shards = exports::store::shards::all(pool, job.id).await?;
@@ -695,10 +716,12 @@ async fn table_changes(
                 action.version = version.version;
                 action.timestamp = millis(version);
                 body.push_str(&action.line(FileKind::Remove));
+                files += 1;
             }
         }
         for shard in shards.iter().filter(|s| !had.contains(&s.sha256)) {
             body.push_str(&links.action(version, &job, &columns, shard).line(FileKind::Add));
+            files += 1;
         }
     }
     Ok(ndjson(body, end))

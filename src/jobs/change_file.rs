@@ -28,6 +28,7 @@ pub(super) async fn write(deps: &WorkerDeps, job: &ExportJob, plan: &Plan) -> an
     let Some(from) = changes::predecessor(&deps.pool, job.id, history_from).await? else { return Ok(None) };
     let key = changes::object_key(&job.tenant, job.id, from.version);
     let spec = changes::spec(&plan.shard_spec, from.version);
+    let mut served = plan.shard_spec.comparer().map_err(anyhow::Error::msg)?;
     let (pages, encoder) = super::shard::spawn_encoder(deps.store.clone(), key.clone(), spec);
     let read: anyhow::Result<()> = async {
         let mut tx = deps.pool.begin().await?;
@@ -37,7 +38,7 @@ pub(super) async fn write(deps: &WorkerDeps, job: &ExportJob, plan: &Plan) -> an
             changes::key_changes(&mut tx, tenant, dataset, &from.watermark, plan.watermark.as_str(), &plan.row_filter);
         let mut page = Vec::with_capacity(PAGE_ROWS + 1);
         while let Some(change) = rows.try_next().await? {
-            page.extend(change.rows());
+            page.extend(change.rows(&mut served)?);
             if page.len() >= PAGE_ROWS {
                 deps.scan.acquire(tenant, page.len() as u64).await;
                 if pages.send(std::mem::take(&mut page)).await.is_err() {

@@ -2,6 +2,7 @@
 //! rate) and the one [`Rejection`] a refusal is, counted per kind ([`refusals`]). What a tenant
 //! has used is reported by [`crate::usage`], above both this and the export store.
 
+mod cpu;
 pub mod egress;
 mod rate;
 pub mod refusals;
@@ -9,6 +10,7 @@ mod rejection;
 mod scan;
 mod shares;
 
+pub use cpu::{CpuTurn, CpuTurns};
 pub use egress::{admit_download, egress_today};
 pub use rate::{RateLimits, run_housekeeping};
 pub use refusals::{RefusalKind, Refusals};

@@ -47,6 +47,8 @@ pub struct RateLimits {
     uploads: HashMap<TenantId, Arc<SharedSlots>>,
     /// One estimate's census at a time per principal, four per tenant.
     estimates: HashMap<TenantId, Arc<SharedSlots>>,
+    /// Turns on the CPU for work a request sizes (predicate hints).
+    cpu: super::CpuTurns,
     clock: DefaultClock,
 }
 
@@ -74,6 +76,7 @@ impl RateLimits {
             requests,
             uploads,
             estimates,
+            cpu: super::CpuTurns::new(registry),
             clock: DefaultClock::default(),
         }
     }
@@ -150,6 +153,12 @@ impl RateLimits {
     /// partner's never take the admins' turn.
     pub fn estimate_slot(&self, caller: &Caller) -> Result<Slot, Rejection> {
         self.slot(&self.estimates, caller, Rejection::EstimateInProgress)
+    }
+
+    /// The caller's tenant's turn on the CPU for work the request sizes (one at a time per
+    /// tenant, all but one core for all tenants); refused (and counted) after waiting 10 s.
+    pub async fn cpu_turn(&self, caller: &Caller) -> Result<super::CpuTurn, Rejection> {
+        self.cpu.turn(&caller.tenant.id).await.map_err(|rejection| self.refuse(&caller.tenant.id, rejection))
     }
 
     /// Forgets idle keys (call periodically: the key maps would otherwise only grow).

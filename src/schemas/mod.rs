@@ -8,6 +8,7 @@
 mod change;
 mod history;
 mod record;
+mod seen;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -19,6 +20,7 @@ use serde_json::{Map, Value};
 pub use change::{ColumnChange, as_seen, classify};
 pub use history::{HistoryEntry, history};
 pub use record::register;
+pub use seen::{columns_seen, served_columns, served_sha256, sha256_seen};
 
 use crate::tenants::{ColumnName, DatasetName, DatasetSchema};
 
@@ -79,8 +81,9 @@ impl ServedSchema {
         ServedSchema { version, sha256: schema.sha256(), schema: Arc::new(schema), retired }
     }
 
-    pub fn stamp(&self) -> SchemaStamp {
-        SchemaStamp { version: self.version.to_string(), sha256: self.sha256.clone() }
+    /// What a caller under `policy` is told of this version: its sha256 as that caller sees it.
+    pub fn stamp_for(&self, policy: Option<&crate::masking::ColumnPolicy>) -> SchemaStamp {
+        SchemaStamp { version: self.version.to_string(), sha256: served_sha256(self, policy) }
     }
 
     pub fn is_retired(&self, column: &str) -> bool {

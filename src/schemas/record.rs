@@ -203,12 +203,15 @@ async fn announce(
     let dataset = current.schema.name.as_str();
     for tenant in registry.tenants().filter(|t| t.dataset(dataset).is_some()) {
         for principal in tenant.principals.values().filter(|p| !p.is_admin() && p.is_granted(&current.schema.name)) {
-            let seen = super::as_seen(changes, principal.column_policy(dataset));
+            let policy = principal.column_policy(dataset);
+            let seen = super::as_seen(changes, policy);
             let pin = principal.schema_pin(dataset);
+            let columns = super::columns_seen(&current.schema, policy);
             let data = json!({
+                "principal": principal.id.as_str(),
                 "dataset": dataset,
                 "version": current.version,
-                "sha256": current.sha256,
+                "sha256": super::sha256_seen(dataset, &current.sha256, &columns, policy),
                 "previous_version": previous,
                 "change": change,
                 "changes": seen,

@@ -4,7 +4,9 @@
 //!
 //! They come from the record history, like the incremental feed: every key whose live version
 //! differs between the two versions' snapshots, with its row as the partner saw it at each end
-//! (the row filter applied at each end, so a row that moved out of the filter is a `delete`).
+//! (the row filter applied at each end, so a row that moved out of the filter is a `delete`);
+//! a key whose two rows the partner is served alike (only a value it is not served changed)
+//! is no change.
 //! Before-images are exact (the history holds them), so updates come as a pre- and a
 //! post-image, and a delete carries the row it removes. Rows are in key order and written with
 //! the version's own file spec (columns, masking, pins), so a change file's bytes depend only on
@@ -18,7 +20,7 @@ use uuid::Uuid;
 
 use crate::records::Record;
 use crate::storage::ObjectKey;
-use crate::writers::{OutputColumn, ShardSpec};
+use crate::writers::{OutputColumn, ServedComparer, ShardSpec};
 
 /// The column a change file adds to the table's columns.
 pub const CHANGE_TYPE_COLUMN: &str = "_change_type";
@@ -106,16 +108,18 @@ pub struct KeyChange {
 }
 
 impl KeyChange {
-    /// The change file's rows for this key: none when the partner saw no difference.
-    pub fn rows(self) -> Vec<Record> {
+    /// The change file's rows for this key: none when the partner sees no difference — `served`
+    /// compares the two rows as the version's files serve them, so a change only to a value the
+    /// partner is not served (dropped, nulled, truncated away) is no change.
+    pub fn rows(self, served: &mut ServedComparer) -> std::io::Result<Vec<Record>> {
         let row = |kind: &str, data: &str| Record { key: self.key.clone(), data: with_change_type(kind, data) };
-        match (self.before.as_deref(), self.after.as_deref()) {
+        Ok(match (self.before.as_deref(), self.after.as_deref()) {
             (None, None) => vec![],
             (None, Some(after)) => vec![row("insert", after)],
             (Some(before), None) => vec![row("delete", before)],
-            (Some(before), Some(after)) if before == after => vec![],
+            (Some(before), Some(after)) if before == after || served.alike(before, after)? => vec![],
             (Some(before), Some(after)) => vec![row("update_preimage", before), row("update_postimage", after)],
-        }
+        })
     }
 }
 

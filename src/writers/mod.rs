@@ -116,6 +116,38 @@ pub struct ShardSpec {
     pub hasher: Option<ColumnHasher>,
 }
 
+impl ShardSpec {
+    /// Compares two versions of a record as a file of this spec serves them.
+    pub fn comparer(&self) -> Result<ServedComparer, String> {
+        let index = || {
+            let masks = ColumnMasks::of(&self.columns, self.hasher.as_ref())?;
+            Ok::<_, String>(FieldIndex::new(self.columns.iter().map(|c| c.name.as_str())).masked(masks))
+        };
+        Ok(ServedComparer { before: index()?, after: index()?, columns: self.columns.len() })
+    }
+}
+
+/// Whether two versions of a record are served alike: every column of the spec, after the
+/// partner's column policy, holds the same value in both (so a change only to a dropped, nulled
+/// or truncated-away value is no change at all to the partner).
+pub struct ServedComparer {
+    before: FieldIndex,
+    after: FieldIndex,
+    columns: usize,
+}
+
+impl ServedComparer {
+    pub fn alike(&mut self, before: &str, after: &str) -> io::Result<bool> {
+        let (before, after) = (self.before.read(before)?, self.after.read(after)?);
+        for column in 0..self.columns {
+            if before.get(column).map_err(io::Error::other)? != after.get(column).map_err(io::Error::other)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
+
 /// What a finished shard file is, including where its parts lie (see [`gzip`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ShardDigest {

@@ -426,3 +426,157 @@ async fn slow_clients_cost_nothing_shared(pool: PgPool) {
     assert_eq!((errors, health_failures, admin_refused), (0, 0, 0));
     assert_eq!(closed, 128, "every stalled download and dripping body ends");
 }
+
+/// A valid predicate tree of about 1 000 nodes (`or` of isNull tests), under the 64 KiB bound.
+fn widest_hint() -> String {
+    let leaf = json!({"op": "isNull", "children": [{"op": "column", "name": "subject"}]});
+    json!({"op": "or", "children": vec![leaf; 499]}).to_string()
+}
+
+#[sqlx::test(migrations = "./migrations")]
+#[ignore = "an abuse run of about a minute: scripts/abuse runs it"]
+async fn predicate_hints_and_a_silent_bucket_cost_no_one_else(pool: PgPool) {
+    use crate::deliveries::var;
+    use crate::delivery_slots::{silent_bucket, subscribed};
+    let app = TestApp::spawn(pool).await;
+    // acme's partner: a Delta Sharing version of ~650 files, and a subscription into a bucket
+    // that never answers. globex's partner: a subscription into a real bucket (SeaweedFS).
+    let silent = silent_bucket().await;
+    let zen = subscribed("silent", "zenpartner", &silent, "abuse");
+    let prefix = format!("abuse-{}", uuid::Uuid::new_v4().simple());
+    let partner_endpoint = var("EXPORTD_TEST_PARTNER_S3_ENDPOINT");
+    let lake = format!(
+        "[[principals]]\nid = \"lake\"\nrole = \"partner\"\ngrants = [\"tickets\"]\n{}",
+        subscribed("lake", "lake", &partner_endpoint, &prefix)
+    );
+    let tenants = crate::common::edited_tenants_dir("acme", |t| format!("{t}\n{zen}"));
+    let globex_file = tenants.path().join("globex.toml");
+    let globex = std::fs::read_to_string(&globex_file).unwrap();
+    std::fs::write(&globex_file, format!("{globex}\n{lake}")).unwrap();
+    let registry = exportd::tenants::Registry::load(tenants.path()).unwrap();
+    app.seed("acme", "tickets", 20_000).await;
+    app.seed("globex", "tickets", 500).await; // globex: max_rows_per_export = 1000
+    let server = Server::start_with(&app, "1", None, |c| {
+        c.env("EXPORTD_TENANTS_DIR", tenants.path())
+            .env("EXPORTD_DELIVERY_ALLOW_NETS", "127.0.0.0/8")
+            .env("EXPORTD_DELIVERY_ATTEMPT_TIMEOUT", "60s");
+    })
+    .await;
+    let (base, pid) = (server.base.clone(), server.child.id());
+    let partner = app.token("acme", "zenpartner");
+    let version = app.export(&partner, &json!({"dataset": "tickets", "format": "parquet", "shard_rows": 20})).await;
+    assert_eq!(wait_terminal(&app.pool, &version, Duration::from_secs(300)).await, "SUCCEEDED");
+    let files: i64 = sqlx::query_scalar("SELECT count(*) FROM export_shards WHERE export_id = $1::uuid")
+        .bind(&version)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    let other = app.token("globex", "hank");
+    let (mut quiet, _) = well_behaved(&base, &other, Duration::from_secs(4)).await;
+    let (mut quiet_health, _) = probes(&base, Duration::from_secs(4)).await;
+
+    // 1. Eight connections sending the widest hint the server takes, against every file.
+    reset_peak_rss(pid);
+    let stop = Instant::now() + Duration::from_secs(15);
+    let table = format!("{base}/delta-sharing/shares/zenpartner/schemas/acme/tables/tickets/query");
+    let flood: Vec<_> = (0..8)
+        .map(|_| {
+            let (table, token) = (table.clone(), partner.clone());
+            tokio::spawn(async move {
+                let client = reqwest::Client::new();
+                let body = json!({"jsonPredicateHints": widest_hint()});
+                let (mut answered, mut refused) = (0u32, 0u32);
+                while Instant::now() < stop {
+                    match client.post(&table).bearer_auth(&token).json(&body).send().await {
+                        Ok(r) if r.status() == 200 => {
+                            let _ = r.bytes().await;
+                            answered += 1;
+                        }
+                        _ => refused += 1,
+                    }
+                }
+                (answered, refused)
+            })
+        })
+        .collect();
+    let ((mut loaded, loaded_errors), (mut health, health_errors)) =
+        tokio::join!(well_behaved(&base, &other, Duration::from_secs(12)), probes(&base, Duration::from_secs(12)));
+    let (mut answered, mut refused) = (0, 0);
+    for task in flood {
+        let (a, r) = task.await.unwrap();
+        answered += a;
+        refused += r;
+    }
+    println!(
+        "predicate-hint flood (8 connections, ~1 000-node hints over {files} files, 15 s): {answered} answered, \
+         {refused} refused; other tenant p99 {:.1} ms unloaded, {:.1} ms loaded, {loaded_errors} errors; \
+         /healthz p99 {:.1} ms unloaded, {:.1} ms loaded, {health_errors} failed; server peak RSS {:.0} MiB",
+        p99(&mut quiet).as_secs_f64() * 1000.0,
+        p99(&mut loaded).as_secs_f64() * 1000.0,
+        p99(&mut quiet_health).as_secs_f64() * 1000.0,
+        p99(&mut health).as_secs_f64() * 1000.0,
+        peak_rss_mib(pid)
+    );
+    assert_eq!((loaded_errors, health_errors), (0, 0));
+    assert!(p99(&mut loaded) <= (p99(&mut quiet) * 5).max(Duration::from_millis(25)));
+
+    // 2. Three deliveries into the silent bucket, then one of globex's into a real one.
+    reset_peak_rss(pid);
+    for _ in 0..3 {
+        let id = app.export(&partner, &json!({"dataset": "tickets", "format": "jsonl"})).await;
+        assert_eq!(wait_terminal(&app.pool, &id, Duration::from_secs(120)).await, "SUCCEEDED");
+    }
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let lake = exportd::auth::mint_at(registry.get("globex").unwrap(), "lake", now, now + 3600).unwrap();
+    let created = reqwest::Client::new()
+        .post(format!("{base}/v1/exports"))
+        .bearer_auth(&lake)
+        .header("Idempotency-Key", uuid::Uuid::new_v4().to_string())
+        .json(&json!({"dataset": "tickets", "format": "jsonl"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), 202);
+    let id = created.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
+    let published = Instant::now();
+    assert_eq!(wait_terminal(&app.pool, &id, Duration::from_secs(120)).await, "SUCCEEDED");
+    let delivering = tokio::spawn({
+        let pool = app.pool.clone();
+        async move {
+            loop {
+                let state: Option<String> = sqlx::query_scalar(
+                    "SELECT state FROM bucket_deliveries WHERE tenant = 'globex' AND export_id = $1::uuid",
+                )
+                .bind(&id)
+                .fetch_optional(&pool)
+                .await
+                .unwrap();
+                if state.as_deref() == Some("delivered") {
+                    return published.elapsed();
+                }
+                assert!(published.elapsed() < Duration::from_secs(60), "globex's delivery waited a minute");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    });
+    let ((mut loaded, loaded_errors), (mut health, health_errors)) =
+        tokio::join!(well_behaved(&base, &other, Duration::from_secs(8)), probes(&base, Duration::from_secs(8)));
+    let took = delivering.await.unwrap();
+    let silent_held: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM bucket_deliveries WHERE tenant = 'acme' AND state = 'pending' AND lease_expires_at > now()",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    println!(
+        "silent partner bucket (3 deliveries, attempts of up to 60 s): globex's delivery done {:.2} s after its \
+         export (acme holding {silent_held} of 2 slots); other tenant p99 {:.1} ms, {loaded_errors} errors; \
+         /healthz p99 {:.1} ms, {health_errors} failed; server peak RSS {:.0} MiB",
+        took.as_secs_f64(),
+        p99(&mut loaded).as_secs_f64() * 1000.0,
+        p99(&mut health).as_secs_f64() * 1000.0,
+        peak_rss_mib(pid)
+    );
+    assert!(took < Duration::from_secs(10), "globex waited behind the silent bucket");
+    assert_eq!((loaded_errors, health_errors, silent_held), (0, 0, 1));
+}

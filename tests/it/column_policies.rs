@@ -343,3 +343,39 @@ async fn a_policy_change_refuses_old_files_and_expires_old_cursors(pool: PgPool)
         app.client.get(format!("{changed}/v1/datasets/contacts/changes?cursor={prism_cursor}")).bearer_auth(&prism);
     assert_eq!(page.send().await.unwrap().status(), 200);
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_masked_partners_schema_hashes_cover_only_what_it_is_served(pool: PgPool) {
+    let app = TestApp::spawn(pool.clone()).await;
+    seed_contacts(&app).await;
+    let server = Server::start(&app, "1", None).await;
+    let as_ = |principal: &str| Partner {
+        client: reqwest::Client::new(),
+        base: &server.base,
+        token: app.token("acme", principal),
+    };
+    let (lens, alice) = (as_("lens"), as_("alice"));
+    // What a partner can recompute from the document alone: compact JSON, keys sorted.
+    let seen_hash = |columns: &Value| {
+        exportd::writers::sha256_hex(&serde_json::to_vec(&json!({"dataset": "contacts", "columns": columns})).unwrap())
+    };
+    let schema: Value = lens.get("/v1/datasets/contacts/schema").await.json().await.unwrap();
+    let admins: Value = alice.get("/v1/datasets/contacts/schema").await.json().await.unwrap();
+    let served = &schema["served"];
+    assert!(served["columns"].as_array().unwrap().iter().all(|c| c["name"] != "phone"), "phone is dropped");
+    assert_eq!(served["sha256"], seen_hash(&served["columns"]).as_str(), "the hash of what lens is served");
+    assert_ne!(served["sha256"], admins["served"]["sha256"], "not the declared schema's hash");
+    for entry in schema["history"].as_array().unwrap() {
+        assert_eq!(entry["sha256"], seen_hash(&entry["columns"]).as_str(), "{entry}");
+    }
+    // The feed page and the export's manifest say the same hash.
+    let cursor: Value = lens.get("/v1/datasets/contacts/cursor").await.json().await.unwrap();
+    let cursor = cursor["cursor"].as_str().unwrap();
+    let page: Value = lens.get(&format!("/v1/datasets/contacts/changes?cursor={cursor}")).await.json().await.unwrap();
+    assert_eq!(page["schema"]["sha256"], served["sha256"]);
+    let (manifest, _) = lens.export(&pool, json!({"dataset": "contacts", "format": "jsonl"}), true).await;
+    assert_eq!(manifest["schema"]["sha256"], served["sha256"]);
+    // The admin (served the whole schema) keeps the declared schema's hash.
+    let (admin_manifest, _) = alice.export(&pool, json!({"dataset": "contacts", "format": "jsonl"}), false).await;
+    assert_eq!(admin_manifest["schema"]["sha256"], admins["served"]["sha256"]);
+}

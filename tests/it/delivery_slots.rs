@@ -16,7 +16,7 @@ use crate::common::{TestApp, edited_tenants_dir};
 use crate::deliveries::{Partner, bucket_reader, courier_with, var};
 
 /// A "bucket" that accepts connections and never answers.
-async fn silent_bucket() -> String {
+pub(crate) async fn silent_bucket() -> String {
     let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("http://{}", socket.local_addr().unwrap());
     tokio::spawn(async move {
@@ -30,7 +30,7 @@ async fn silent_bucket() -> String {
 
 /// A destination `name` for `principal` at `endpoint` (the partner SeaweedFS's credentials)
 /// and a subscription `name` delivering its full exports of tickets there.
-fn subscribed(name: &str, principal: &str, endpoint: &str, prefix: &str) -> String {
+pub(crate) fn subscribed(name: &str, principal: &str, endpoint: &str, prefix: &str) -> String {
     format!(
         r#"
 [[destinations]]

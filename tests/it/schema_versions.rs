@@ -157,6 +157,7 @@ async fn a_compatible_change_reaches_a_pulling_partner_without_a_failed_page(poo
     let registry = prepare_db_from(&pool, dir.path()).await.unwrap();
     let events = schema_events(&pool).await;
     let zen = events.iter().find(|(p, _)| p == "zenpartner").expect("zenpartner is told");
+    assert_eq!(zen.1["principal"], "zenpartner", "the contract's webhook table lists it");
     assert_eq!(zen.1["version"], "1.1");
     assert_eq!(zen.1["previous_version"], "1.0");
     assert_eq!(zen.1["change"], "compatible");

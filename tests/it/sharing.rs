@@ -551,3 +551,42 @@ async fn version_hashes(pool: &PgPool, id: &str) -> (Vec<String>, String) {
         .unwrap();
     (shards, changes)
 }
+
+/// The keys and `_change_type`s of a change file (Parquet) behind a `cdf` line's link.
+async fn change_rows(cdf: &Value) -> Vec<(String, String)> {
+    use arrow_array::cast::AsArray;
+    let body = reqwest::get(cdf["url"].as_str().unwrap()).await.unwrap().bytes().await.unwrap();
+    let reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(body).unwrap().build().unwrap();
+    let mut rows = Vec::new();
+    for batch in reader {
+        let batch = batch.unwrap();
+        let (keys, kinds) = (batch.column_by_name("id").unwrap(), batch.column_by_name("_change_type").unwrap());
+        let (keys, kinds) = (keys.as_string::<i32>(), kinds.as_string::<i32>());
+        for i in 0..batch.num_rows() {
+            rows.push((keys.value(i).to_owned(), kinds.value(i).to_owned()));
+        }
+    }
+    rows
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_change_only_to_a_column_the_partner_is_not_served_is_no_change(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let (admin, lens) = (app.token("acme", "alice"), app.token("acme", "lens")); // lens: tickets' body dropped
+    let row = |key: &str, subject: &str, body: &str| json!({"key": key, "data": {"subject": subject, "status": "open", "region": "emea", "body": body}});
+    let first =
+        json!([row("t-1", "one", "secret body 1"), row("t-2", "two", "secret body 2"), row("t-3", "three", "b3")]);
+    assert_eq!(app.ingest(&admin, "tickets", &first).await.status(), 200);
+    publish_version(&app, &lens).await;
+    // t-1: only its dropped body changes; t-2: its subject changes; t-3 is rewritten as it was.
+    let second =
+        json!([row("t-1", "one", "another secret"), row("t-2", "TWO", "secret body 2"), row("t-3", "three", "b3")]);
+    assert_eq!(app.ingest(&admin, "tickets", &second).await.status(), 200);
+    publish_version(&app, &lens).await;
+    let table = "/delta-sharing/shares/lens/schemas/acme/tables/tickets";
+    let changes = ndjson(app.get(Some(&lens), &format!("{table}/changes?startingVersion=1")).await).await;
+    assert_eq!(changes.len(), 3, "one cdf line: {changes:?}");
+    let rows = change_rows(&changes[2]["cdf"]).await;
+    let expected = [("t-2", "update_preimage"), ("t-2", "update_postimage")];
+    assert_eq!(rows, expected.map(|(k, t)| (k.to_owned(), t.to_owned())), "nothing of t-1's hidden change");
+}
