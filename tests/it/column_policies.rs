@@ -379,3 +379,32 @@ async fn a_masked_partners_schema_hashes_cover_only_what_it_is_served(pool: PgPo
     let (admin_manifest, _) = alice.export(&pool, json!({"dataset": "contacts", "format": "jsonl"}), false).await;
     assert_eq!(admin_manifest["schema"]["sha256"], admins["served"]["sha256"]);
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_feed_page_ends_by_the_bytes_the_partner_receives_not_by_dropped_ones(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let (admin, lens) = (app.token("acme", "alice"), app.token("acme", "lens")); // lens: tickets' body dropped
+    let cursor = app.cursor_now(&lens, "tickets").await;
+    // 20 records, each with a 900 kB body lens never receives: 18 MB raw, a few kB served.
+    for batch in 0..2 {
+        let records: Vec<Value> = (0..10)
+            .map(|i| {
+                let body = "b".repeat(900_000);
+                json!({"key": format!("t-{batch}{i}"), "data": {"subject": "s", "status": "open", "body": body}})
+            })
+            .collect();
+        assert_eq!(app.ingest(&admin, "tickets", &Value::Array(records)).await.status(), 200);
+    }
+    app.tick().await;
+    app.pass_safety_delay();
+    let page: Value = app
+        .get(Some(&lens), &format!("/v1/datasets/tickets/changes?cursor={cursor}&limit=100"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let changes = page["changes"].as_array().unwrap();
+    assert!(changes.iter().all(|c| c["data"].get("body").is_none()));
+    assert_eq!(changes.len(), 20, "one page: where it ends must not reveal the dropped bodies' size");
+    assert_eq!(page["end_of_stream"], true);
+}
