@@ -35,8 +35,10 @@ pub struct Manifest {
     /// The partner's column policy its values went through (absent: none).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub column_policy: Option<PolicySummary>,
-    /// `pg_current_snapshot()` taken when the export was created.
-    pub snapshot_watermark: String,
+    /// `pg_current_snapshot()` taken when the export was created — in an admin's export only:
+    /// its transaction ids tell the whole cluster's write rate, which a partner has no use for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snapshot_watermark: Option<String>,
     pub created_at: String,
     /// Where an incremental feed continues from (filled in by the feeds capability).
     pub from_cursor: Option<String>,
@@ -89,7 +91,8 @@ pub struct FileFacts<'a> {
     pub export_id: uuid::Uuid,
     pub dataset: &'a str,
     pub mode: Mode,
-    pub watermark: &'a str,
+    /// The export's snapshot, in an admin's export only (see [`Manifest::snapshot_watermark`]).
+    pub watermark: Option<&'a str>,
     pub schema_sha256: &'a str,
     pub schema_version: &'a str,
     pub exportd_version: &'a str,
@@ -118,12 +121,13 @@ fn file_metadata(facts: &FileFacts<'_>) -> Vec<(String, String)> {
         ("exportd.export_id", facts.export_id.to_string()),
         ("exportd.dataset", facts.dataset.to_owned()),
         ("exportd.mode", facts.mode.as_str().to_owned()),
-        ("exportd.snapshot_watermark", facts.watermark.to_owned()),
+        ("exportd.snapshot_watermark", facts.watermark.unwrap_or_default().to_owned()),
         ("exportd.schema_sha256", facts.schema_sha256.to_owned()),
         ("exportd.version", facts.exportd_version.to_owned()),
         ("exportd.columns", serde_json::to_string(facts.columns).expect("serializable")),
     ]
     .into_iter()
+    .filter(|(key, _)| *key != "exportd.snapshot_watermark" || facts.watermark.is_some())
     .chain(facts.column_policy.map(|fingerprint| ("exportd.column_policy", fingerprint.to_owned())))
     // Jobs created before schema versions rewrite their shards without it: same bytes.
     .chain(Some(facts.schema_version).filter(|v| !v.is_empty()).map(|v| ("exportd.schema_version", v.to_owned())))

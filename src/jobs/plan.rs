@@ -23,6 +23,8 @@ pub(super) struct Plan {
     pub(super) row_filter: Value,
     pub(super) watermark: Snapshot,
     pub(super) shard_rows: u64,
+    /// The manifest and file metadata show the snapshot (an admin's export).
+    pub(super) shows_watermark: bool,
     /// Incremental exports: where the window chain starts and the tick it runs to.
     pub(super) chain: Option<Chain>,
 }
@@ -36,11 +38,15 @@ pub(super) struct Chain {
 impl Plan {
     pub(super) fn from_job(deps: &WorkerDeps, job: &ExportJob) -> anyhow::Result<Plan> {
         let columns: Vec<OutputColumn> = serde_json::from_value(job.columns.clone()).context("job columns")?;
+        // Only an admin's files and manifest show the snapshot (a partner has no use for the
+        // cluster's transaction ids); a principal no longer configured is treated as a partner.
+        let by_admin =
+            deps.registry.get(&job.tenant).and_then(|t| t.principal(&job.principal)).is_some_and(|p| p.is_admin());
         let facts = FileFacts {
             export_id: job.id,
             dataset: &job.dataset,
             mode: job.mode,
-            watermark: &job.watermark,
+            watermark: by_admin.then_some(job.watermark.as_str()),
             schema_sha256: &job.schema_sha256,
             schema_version: &job.schema_version,
             exportd_version: &job.exportd_version,
@@ -57,6 +63,7 @@ impl Plan {
             row_filter: job.row_filter.clone(),
             watermark: Snapshot::parse(&job.watermark).map_err(anyhow::Error::msg)?,
             shard_rows: u64::try_from(job.shard_rows).context("shard_rows")?,
+            shows_watermark: by_admin,
             chain: job.start_from.clone().map(|from| Chain {
                 from,
                 start_after: job.start_after.clone(),

@@ -533,7 +533,7 @@ impl ClaimedExport {
             filter: self.plan.filter.clone(),
             row_filter: self.plan.row_filter.clone(),
             column_policy: policy.map(ColumnPolicy::summary),
-            snapshot_watermark: self.plan.watermark.to_string(),
+            snapshot_watermark: self.plan.shows_watermark.then(|| self.plan.watermark.to_string()),
             created_at: self.job.created_at.format(&time::format_description::well_known::Rfc3339).expect("formats"),
             from_cursor: self.job.from_cursor.clone(),
             next_cursor: Some(next_cursor),

@@ -378,6 +378,20 @@ async fn a_masked_partners_schema_hashes_cover_only_what_it_is_served(pool: PgPo
     // The admin (served the whole schema) keeps the declared schema's hash.
     let (admin_manifest, _) = alice.export(&pool, json!({"dataset": "contacts", "format": "jsonl"}), false).await;
     assert_eq!(admin_manifest["schema"]["sha256"], admins["served"]["sha256"]);
+    // The cluster's transaction ids (the snapshot) are shown to admins only, footers included.
+    assert!(manifest.get("snapshot_watermark").is_none(), "{manifest}");
+    assert!(admin_manifest["snapshot_watermark"].is_string());
+    let footer_keys = |shards: &[Vec<u8>]| -> Vec<String> {
+        let file = parquet::file::reader::SerializedFileReader::new(bytes::Bytes::from(shards[0].clone())).unwrap();
+        use parquet::file::reader::FileReader;
+        let metadata = file.metadata().file_metadata().key_value_metadata().cloned().unwrap_or_default();
+        metadata.into_iter().map(|kv| kv.key).collect()
+    };
+    let parquet = json!({"dataset": "contacts", "format": "parquet"});
+    let (_, lens_files) = lens.export(&pool, parquet.clone(), true).await;
+    let (_, admin_files) = alice.export(&pool, parquet, false).await;
+    assert!(!footer_keys(&lens_files).contains(&"exportd.snapshot_watermark".to_owned()));
+    assert!(footer_keys(&admin_files).contains(&"exportd.snapshot_watermark".to_owned()));
 }
 
 #[sqlx::test(migrations = "./migrations")]

@@ -136,7 +136,7 @@ def main(folder):
         meta = pq.ParquetFile(path).metadata
         kv = {k.decode(): v.decode() for k, v in (meta.metadata or {}).items()}
         for key, expected in [("exportd.export_id", manifest["export_id"]), ("exportd.dataset", manifest["dataset"]),
-                              ("exportd.snapshot_watermark", manifest["snapshot_watermark"])]:
+                              ("exportd.snapshot_watermark", manifest.get("snapshot_watermark"))]:
             if kv.get(key) != expected:
                 fail(f"{path}: key-value metadata {key} is {kv.get(key)!r}, expected {expected!r}")
         for i, column in enumerate(columns):
