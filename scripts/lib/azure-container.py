@@ -1,6 +1,6 @@
 """Creates a blob container in an Azure Blob Storage endpoint (azurite for the tests), signed
 with the account's Shared Key: `python3 azure-container.py ENDPOINT ACCOUNT KEY CONTAINER`, where
-ENDPOINT is path-style (`http://127.0.0.1:43633/devstoreaccount1`). Exits 0 when the container
+ENDPOINT is path-style (`http://127.0.0.1:43750/devstoreaccount1`). Exits 0 when the container
 exists afterwards (created now or before). Standard library only."""
 
 import base64

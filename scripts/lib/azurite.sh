@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # A real Azure Blob Storage API for the delivery tests: azurite (npm, pinned, installed into
-# ./data/tools/azurite), in memory, on EXPORTD_AZURE_PORT (default 43633). ensure_azurite starts
+# ./data/tools/azurite), in memory, on EXPORTD_AZURE_PORT (default 43750). ensure_azurite starts
 # it, creates the partner's container with a Shared Key signed request, and exports
 # EXPORTD_TEST_AZURE_* for the tests; stop_azurite stops it.
 
@@ -11,7 +11,7 @@ AZURE_KEY="Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFP
 AZURE_CONTAINER=partner-landing
 
 ensure_azurite() {
-  local tools=data/tools/azurite port="${EXPORTD_AZURE_PORT:-43633}" host="${EXPORTD_S3_HOST:-127.0.0.1}"
+  local tools=data/tools/azurite port="${EXPORTD_AZURE_PORT:-43750}" host="${EXPORTD_S3_HOST:-127.0.0.1}"
   if [ ! -x "$tools/node_modules/.bin/azurite-blob" ] ||
     ! grep -q "\"version\": \"$AZURITE_VERSION\"" "$tools/node_modules/azurite/package.json"; then
     echo "installing azurite $AZURITE_VERSION into $tools"
