@@ -137,7 +137,7 @@ async fn record_hour(
 WITH tenants AS (SELECT DISTINCT unnest($2::text[]) AS tenant),
 egress AS (
     SELECT a.tenant, sum(a.bytes)::bigint AS bytes FROM audit_log a
-    WHERE a.action = 'downloaded' AND a.at >= $1 AND a.at < $1 + interval '1 hour' AND a.tenant = ANY($2)
+    WHERE a.action IN ('downloaded', 'delivered') AND a.at >= $1 AND a.at < $1 + interval '1 hour' AND a.tenant = ANY($2)
     GROUP BY a.tenant),
 finished AS (
     SELECT * FROM unnest($3::text[], $4::bigint[], $5::int[], $6::int[], $7::int[], $8::float8[], $9::float8[])

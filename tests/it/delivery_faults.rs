@@ -376,6 +376,13 @@ async fn an_upload_cut_off_midway_leaves_nothing_partial(pool: PgPool, partner_a
         .await
         .unwrap();
     assert_eq!(egress, sent, "egress counts every byte sent");
+    // The usage history's hour holds them too (from the delivery's audit entry).
+    while !exportd::usage::history::record(&app.pool, &["acme"]).await.unwrap() {}
+    let hourly: i64 = sqlx::query_scalar("SELECT coalesce(sum(egress_bytes), 0)::bigint FROM tenant_usage_hours")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(hourly, sent, "the hour's egress includes the delivery");
     assert!(sent as u64 > total, "the file cut off was counted, and counted again when sent again");
     let registered: i64 =
         sqlx::query_scalar("SELECT count(*) FROM pending_uploads").fetch_one(&app.pool).await.unwrap();
