@@ -99,7 +99,7 @@ impl Courier {
         }
     }
 
-    /// One deterministic step (tests, `exportd deliver`-style use): scheduled exports that are
+    /// One deterministic step (the tests drive deliveries with it): scheduled exports that are
     /// due, then as many due deliveries as the slots take, each run to its end. Returns how many
     /// deliveries ran.
     pub async fn pass(&self) -> anyhow::Result<usize> {

@@ -526,18 +526,8 @@ async fn predicate_hints_and_a_silent_bucket_cost_no_one_else(pool: PgPool) {
         let id = app.export(&partner, &json!({"dataset": "tickets", "format": "jsonl"})).await;
         assert_eq!(wait_terminal(&app.pool, &id, Duration::from_secs(120)).await, "SUCCEEDED");
     }
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
-    let lake = exportd::auth::mint_at(registry.get("globex").unwrap(), "lake", now, now + 3600).unwrap();
-    let created = reqwest::Client::new()
-        .post(format!("{base}/v1/exports"))
-        .bearer_auth(&lake)
-        .header("Idempotency-Key", uuid::Uuid::new_v4().to_string())
-        .json(&json!({"dataset": "tickets", "format": "jsonl"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(created.status(), 202);
-    let id = created.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
+    let lake = crate::common::token_in(&registry, "globex", "lake");
+    let id = app.export_at(&base, &lake, &json!({"dataset": "tickets", "format": "jsonl"})).await;
     let published = Instant::now();
     assert_eq!(wait_terminal(&app.pool, &id, Duration::from_secs(120)).await, "SUCCEEDED");
     let delivering = tokio::spawn({

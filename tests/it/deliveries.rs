@@ -28,6 +28,30 @@ fn partner_bucket(pool: &PgPool, prefix: &str) -> Remote {
     bucket_reader(pool, "PARTNER", prefix)
 }
 
+/// A destination `name` for `principal` in the partner SeaweedFS's bucket under `prefix`, reached
+/// at `endpoint` (the store's, or a stand-in's), its secret from `secret` (a reference).
+pub(crate) fn s3_destination(name: &str, principal: &str, endpoint: &str, prefix: &str, secret: &str) -> String {
+    format!(
+        r#"
+[[destinations]]
+name = "{name}"
+principal = "{principal}"
+url = "s3://{bucket}/{prefix}"
+endpoint = "{endpoint}"
+credentials.access_key_id = {{ env = "EXPORTD_TEST_PARTNER_S3_ACCESS_KEY_ID" }}
+credentials.secret_access_key = {secret}
+"#,
+        bucket = var("EXPORTD_TEST_PARTNER_S3_BUCKET"),
+    )
+}
+
+/// A subscription `name` delivering every JSONL full export of tickets into `destination`.
+pub(crate) fn subscription(name: &str, destination: &str) -> String {
+    format!(
+        "[[subscriptions]]\nname = \"{name}\"\ndestination = \"{destination}\"\ndataset = \"tickets\"\nformat = \"jsonl\"\n"
+    )
+}
+
 /// Where a partner's bucket is in these tests: an S3 SeaweedFS or an Azure Blob azurite.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Partner {
@@ -63,19 +87,7 @@ impl Partner {
     /// reference).
     pub(crate) fn destination(self, name: &str, principal: &str, prefix: &str, secret: &str) -> String {
         match self {
-            Partner::S3 => format!(
-                r#"
-[[destinations]]
-name = "{name}"
-principal = "{principal}"
-url = "s3://{bucket}/{prefix}"
-endpoint = "{endpoint}"
-credentials.access_key_id = {{ env = "EXPORTD_TEST_PARTNER_S3_ACCESS_KEY_ID" }}
-credentials.secret_access_key = {secret}
-"#,
-                bucket = var("EXPORTD_TEST_PARTNER_S3_BUCKET"),
-                endpoint = var("EXPORTD_TEST_PARTNER_S3_ENDPOINT"),
-            ),
+            Partner::S3 => s3_destination(name, principal, &var("EXPORTD_TEST_PARTNER_S3_ENDPOINT"), prefix, secret),
             Partner::Azure => format!(
                 r#"
 [[destinations]]
@@ -168,7 +180,7 @@ pub(crate) fn courier_with(app: &TestApp, registry: Arc<Registry>, settings: Del
     )
 }
 
-const PARTNER_SECRET: &str = r#"{ env = "EXPORTD_TEST_PARTNER_S3_SECRET_ACCESS_KEY" }"#;
+pub(crate) const PARTNER_SECRET: &str = r#"{ env = "EXPORTD_TEST_PARTNER_S3_SECRET_ACCESS_KEY" }"#;
 
 /// Every byte of an object of the partner's bucket.
 pub(crate) async fn read(bucket: &Remote, key: &str) -> Vec<u8> {

@@ -148,22 +148,11 @@ format = "jsonl"
     // Three full exports whose shards are more than one 8 MiB part each, written by the workers.
     app.seed("acme", "tickets", 250_000).await;
     let api = app.sibling(registry.clone()).await;
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
-    let partner = exportd::auth::mint_at(registry.get("acme").unwrap(), "bulk", now, now + 3600).unwrap();
+    let partner = crate::common::token_in(&registry, "acme", "bulk");
     let mut exports = Vec::new();
     for _ in 0..3 {
         let request = json!({"dataset": "tickets", "format": "jsonl", "shard_rows": 1_000_000});
-        let response = app
-            .client
-            .post(format!("{api}/v1/exports"))
-            .bearer_auth(&partner)
-            .header("Idempotency-Key", uuid::Uuid::new_v4().to_string())
-            .json(&request)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(response.status(), 202);
-        exports.push(response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned());
+        exports.push(app.export_at(&api, &partner, &request).await);
     }
 
     let url = database_url(&app.pool).await;
@@ -299,27 +288,16 @@ async fn an_upload_cut_off_midway_leaves_nothing_partial(pool: PgPool, partner_a
     let prefix = format!("c-{}", uuid::Uuid::new_v4().simple());
     let bulk = "\n[[principals]]\nid = \"bulk\"\nrole = \"partner\"\ngrants = [\"tickets\"]\n";
     let destination = partner_at.destination("landing", "bulk", &prefix, partner_at.secret());
-    let subscription =
-        "[[subscriptions]]\nname = \"bulk\"\ndestination = \"landing\"\ndataset = \"tickets\"\nformat = \"jsonl\"\n";
+    let subscription = crate::deliveries::subscription("bulk", "landing");
     let tenants = edited_tenants_dir("acme", |t| format!("{t}\n{bulk}\n{destination}\n{subscription}"));
     let registry = Arc::new(Registry::load(tenants.path()).unwrap());
     subscriptions::sync(&app.pool, &registry).await.unwrap();
     // One shard of more than one 8 MiB part.
     app.seed("acme", "tickets", 250_000).await;
     let api = app.sibling(registry.clone()).await;
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
-    let partner = exportd::auth::mint_at(registry.get("acme").unwrap(), "bulk", now, now + 3600).unwrap();
-    let created = app
-        .client
-        .post(format!("{api}/v1/exports"))
-        .bearer_auth(&partner)
-        .header("Idempotency-Key", uuid::Uuid::new_v4().to_string())
-        .json(&json!({"dataset": "tickets", "format": "jsonl", "shard_rows": 1_000_000}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(created.status(), 202);
-    let export = created.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
+    let partner = crate::common::token_in(&registry, "acme", "bulk");
+    let request = json!({"dataset": "tickets", "format": "jsonl", "shard_rows": 1_000_000});
+    let export = app.export_at(&api, &partner, &request).await;
     exportd::jobs::drain(&app.deps_with(registry.clone(), app.store.clone()), "test-worker").await.unwrap();
 
     // The first attempt is cut off while its upload is open.

@@ -13,7 +13,7 @@ use sqlx::PgPool;
 use tokio::net::TcpListener;
 
 use crate::common::{TestApp, edited_tenants_dir};
-use crate::deliveries::{Partner, bucket_reader, courier_with, var};
+use crate::deliveries::{PARTNER_SECRET, Partner, bucket_reader, courier_with, s3_destination, subscription, var};
 
 /// A "bucket" that accepts connections and never answers.
 pub(crate) async fn silent_bucket() -> String {
@@ -31,24 +31,8 @@ pub(crate) async fn silent_bucket() -> String {
 /// A destination `name` for `principal` at `endpoint` (the partner SeaweedFS's credentials)
 /// and a subscription `name` delivering its full exports of tickets there.
 pub(crate) fn subscribed(name: &str, principal: &str, endpoint: &str, prefix: &str) -> String {
-    format!(
-        r#"
-[[destinations]]
-name = "{name}"
-principal = "{principal}"
-url = "s3://{bucket}/{prefix}"
-endpoint = "{endpoint}"
-credentials.access_key_id = {{ env = "EXPORTD_TEST_PARTNER_S3_ACCESS_KEY_ID" }}
-credentials.secret_access_key = {{ env = "EXPORTD_TEST_PARTNER_S3_SECRET_ACCESS_KEY" }}
-
-[[subscriptions]]
-name = "{name}"
-destination = "{name}"
-dataset = "tickets"
-format = "jsonl"
-"#,
-        bucket = var("EXPORTD_TEST_PARTNER_S3_BUCKET"),
-    )
+    let destination = s3_destination(name, principal, endpoint, prefix, PARTNER_SECRET);
+    format!("{destination}\n{}", subscription(name, name))
 }
 
 async fn states(pool: &PgPool, tenant: &str) -> Vec<(String, String, bool, Option<String>)> {
@@ -107,18 +91,8 @@ async fn a_bucket_that_never_answers_holds_one_slot_of_its_tenant_and_never_anot
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let api = app.sibling(registry.clone()).await;
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
-    let lake = exportd::auth::mint_at(registry.get("globex").unwrap(), "lake", now, now + 3600).unwrap();
-    let created = app
-        .client
-        .post(format!("{api}/v1/exports"))
-        .bearer_auth(&lake)
-        .header("Idempotency-Key", uuid::Uuid::new_v4().to_string())
-        .json(&json!({"dataset": "tickets", "format": "jsonl"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(created.status(), 202, "{}", created.text().await.unwrap());
+    let lake = crate::common::token_in(&registry, "globex", "lake");
+    app.export_at(&api, &lake, &json!({"dataset": "tickets", "format": "jsonl"})).await;
     exportd::jobs::drain(&app.deps_with(registry.clone(), app.store.clone()), "test-worker").await.unwrap();
 
     // globex's delivery gets the free slot at once, while acme's silent bucket holds the other.
@@ -177,8 +151,7 @@ async fn resumes_from_the_bucket(pool: PgPool, partner_at: Partner) {
     let app = TestApp::spawn(pool).await;
     let prefix = format!("r-{}", uuid::Uuid::new_v4().simple());
     let destination = partner_at.destination("zen", "zenpartner", &prefix, partner_at.secret());
-    let subscription =
-        "[[subscriptions]]\nname = \"zen\"\ndestination = \"zen\"\ndataset = \"tickets\"\nformat = \"jsonl\"\n";
+    let subscription = subscription("zen", "zen");
     let tenants = edited_tenants_dir("acme", |t| format!("{t}\n{destination}\n{subscription}"));
     let registry = Arc::new(Registry::load(tenants.path()).unwrap());
     subscriptions::sync(&app.pool, &registry).await.unwrap();

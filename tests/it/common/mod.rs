@@ -202,6 +202,16 @@ impl TestApp {
         request.send().await.expect("request sent")
     }
 
+    /// Creates an export through the API at `base` (a sibling serving other tenant files) that
+    /// must be accepted; returns its id.
+    pub async fn export_at(&self, base: &str, token: &str, body: &Value) -> String {
+        let request = self.client.post(format!("{base}/v1/exports")).bearer_auth(token);
+        let response = request.header("Idempotency-Key", uuid::Uuid::new_v4().to_string()).json(body).send().await;
+        let response = response.expect("request sent");
+        assert_eq!(response.status(), 202);
+        response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned()
+    }
+
     /// Creates an export that must be accepted; returns its id.
     pub async fn export(&self, token: &str, body: &Value) -> String {
         let response = self.create_export(token, Some(&uuid::Uuid::new_v4().to_string()), body).await;
@@ -475,6 +485,13 @@ pub fn csv_rows(shard: &[u8]) -> Vec<Vec<String>> {
 }
 
 /// A copy of the fixture tenants with `edit` applied to one tenant file's text.
+/// A one-hour token of `principal` of `tenant` as `registry` has them (a principal only edited
+/// tenant files have).
+pub fn token_in(registry: &Registry, tenant: &str, principal: &str) -> String {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    exportd::auth::mint_at(registry.get(tenant).unwrap(), principal, now, now + 3600).unwrap()
+}
+
 pub fn edited_registry(tenant: &str, edit: impl Fn(&str) -> String) -> Arc<Registry> {
     let dir = edited_tenants_dir(tenant, edit);
     Arc::new(Registry::load(dir.path()).unwrap())
