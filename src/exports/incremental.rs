@@ -56,8 +56,17 @@ pub async fn start(
     let oldest = feed.now.unix_timestamp() - i64::from(caller.tenant.retention.tombstone_days) * 86_400;
     let row_filter = caller.principal.row_filter_json();
     let column_policy = caller.principal.policy_fingerprint(dataset);
-    let owner =
-        CursorOwner { tenant, principal, dataset, cluster: feed.cluster, row_filter: &row_filter, column_policy };
+    let policy = caller.principal.column_policy(dataset);
+    let hashed_positions = policy.is_some_and(|p| p.key_order().is_hashed());
+    let owner = CursorOwner {
+        tenant,
+        principal,
+        dataset,
+        cluster: feed.cluster,
+        row_filter: &row_filter,
+        column_policy,
+        hashed_positions,
+    };
     let cursor = Cursor::decode(feed.keys, &text, &owner, oldest).map_err(|e| match e {
         CursorError::Invalid | CursorError::UnknownKey(_) => {
             ExportError::InvalidCursor { field: "since", detail: format!("{field}: {e}") }

@@ -128,6 +128,8 @@ pub struct ExportJob {
     pub row_filter: Value,
     /// The fingerprint of the partner's column policy the export was cut under.
     pub column_policy: Option<String>,
+    /// Rows are ordered and cut by the partner's hashed key (its policy hashes the key).
+    pub hashed_key_order: bool,
     pub shard_rows: i32,
     pub created_at: OffsetDateTime,
     pub started_at: Option<OffsetDateTime>,
@@ -251,6 +253,7 @@ pub async fn create_for(
         filter: Value::Object(spec.filter.clone()),
         row_filter: Value::Object(spec.row_filter.clone()),
         column_policy: spec.column_policy.as_deref(),
+        hashed_key_order: spec.hashed_key_order,
         shard_rows: spec.shard_rows as i32,
         from_cursor: start.as_ref().map(|s| s.cursor.as_str()),
         start_from: start.as_ref().map(|s| s.from.as_str()),

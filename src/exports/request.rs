@@ -111,6 +111,8 @@ pub struct ExportSpec {
     pub row_filter: Map<String, Value>,
     /// The fingerprint of the partner's column policy for the dataset.
     pub column_policy: Option<String>,
+    /// Rows are ordered and cut by the partner's hashed key.
+    pub hashed_key_order: bool,
     pub shard_rows: u32,
     /// The sha256 (see [`DatasetSchema::sha256`]) and version of the dataset schema the caller
     /// receives (an older major if it is pinned): the columns come from it.
@@ -159,6 +161,7 @@ impl ExportSpec {
             filter: check_filter(served, policy, request.filter.clone().unwrap_or_default())?,
             row_filter: row_filter_json(&caller.principal.row_filter),
             column_policy: policy.map(|p| p.fingerprint().to_owned()),
+            hashed_key_order: policy.is_some_and(|p| p.key_order().is_hashed()),
             shard_rows,
             schema_sha256: crate::schemas::served_sha256(served, policy),
             schema_version: served.version.to_string(),

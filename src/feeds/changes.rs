@@ -9,6 +9,7 @@ use time::OffsetDateTime;
 
 use super::cursor::Cursor;
 use super::window::{Seal, Window, next_window, window_by_id};
+use crate::records::KeyOrder;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -74,6 +75,8 @@ pub struct Feed<'a> {
     pub row_filter: &'a Value,
     /// Which ticks new windows may end at.
     pub seal: Seal,
+    /// The order of a window's changes, and what a position in it is (a key or a hashed key).
+    pub order: KeyOrder<'a>,
 }
 
 /// A page of changes ends early once its keys and data reach this many bytes (one record may
@@ -128,9 +131,9 @@ impl<T> Filling<T> {
     }
 }
 
-/// Reads `window`'s changes after key `after` into `page` (shaped by `shape`, then through
+/// Reads `window`'s changes after position `after` into `page` (shaped by `shape`, then through
 /// `wrap`) until it holds its limit of changes or [`PAGE_BYTES`] of shaped changes: then returns
-/// the (real) key of the last change taken. `None` when the window ran out first.
+/// the position of the last change taken. `None` when the window ran out first.
 async fn collect<T>(
     pool: &PgPool,
     feed: &Feed<'_>,
@@ -148,15 +151,17 @@ async fn collect<T>(
     loop {
         // Without a row filter every key is a change: one read of what is missing suffices.
         let batch = (page.limit - page.items.len()).max(SCAN_BATCH);
-        // Walk the window's key index even where statistics are missing (a window just cut).
-        let mut tx = crate::records::in_key_order(pool).await?;
+        // In key order: walk the window's key index even where statistics are missing (a window
+        // just cut).
+        let mut tx = feed.order.begin(pool).await?;
         let mut rows = window_changes(&mut tx, feed, window, &after, batch);
         let (mut read, mut last_read) = (0, None);
         while let Some(row) = rows.try_next().await? {
             read += 1;
-            last_read = Some(row.key.clone());
+            let position = feed.order.position(&row.key);
+            last_read = Some(position.clone());
             let Some(change) = row.change() else { continue };
-            let last = change.key.clone();
+            let last = position;
             let change = shape(change).map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
             page.bytes += change.bytes();
             page.items.push(wrap(change));
@@ -202,7 +207,7 @@ impl KeyState {
     }
 }
 
-/// Up to `limit` of `window`'s changed keys after `after`, in key order, with their states. The
+/// Up to `limit` of `window`'s changed keys after position `after`, in the feed's order, with their states. The
 /// version live at the end is read by the id stored when the window was cut (windows cut before
 /// ids were stored search the key's versions); a key changed after the reader's start is one
 /// whose end version its start does not see (if that version was collected, its change is older
@@ -215,39 +220,65 @@ fn window_changes<'a>(
     after: &'a str,
     limit: usize,
 ) -> futures_util::stream::BoxStream<'a, sqlx::Result<KeyState>> {
-    sqlx::query_as!(
-        KeyState,
-        r#"SELECT k.key, coalesce(NOT pg_visible_in_snapshot(e.created_xid, $6::text::pg_snapshot), false) AS "changed!",
-                CASE WHEN e.data @> $7 THEN e.data::text END AS data,
-                coalesce(e.data @> $7, false) AS "matches_at_end!", s.data IS NOT NULL AS "matched_at_start!"
-         FROM feed_window_keys k
-         LEFT JOIN LATERAL (
-             SELECT v.data, v.created_xid FROM record_versions v WHERE v.id = k.version_id
-             UNION ALL
-             SELECT v.data, v.created_xid FROM record_versions v
-             WHERE k.version_id IS NULL AND v.tenant = $4 AND v.dataset = $5 AND v.key = k.key
-               AND exportd_live_at(v.created_xid, v.closed_xid, $8::text::pg_snapshot)
-             LIMIT 1) e ON true
-         LEFT JOIN LATERAL (
-             SELECT v.data FROM record_versions v
-             WHERE NOT coalesce(e.data @> $7, false) AND NOT pg_visible_in_snapshot(e.created_xid, $6::text::pg_snapshot)
-               AND v.tenant = $4 AND v.dataset = $5 AND v.key = k.key AND v.data IS NOT NULL
-               AND v.data @> $7 AND exportd_live_at(v.created_xid, v.closed_xid, $6::text::pg_snapshot)
-             LIMIT 1) s ON true
-         WHERE k.window_id = $1 AND k.key > $2
-         ORDER BY k.key
-         LIMIT $3"#,
-        window.id,
-        after,
-        limit as i64,
-        feed.tenant,
-        feed.dataset,
-        &window.start,
-        feed.row_filter,
-        &window.to_snapshot,
-    )
-    .fetch(conn)
+    match feed.order {
+        KeyOrder::Key => window_changes_query!("k.key > $2", "k.key", conn, feed, window, after, limit),
+        // Every page hashes the window's keys: windows are cut per tick, so they stay small.
+        KeyOrder::Hashed(hasher) => window_changes_query!(
+            "exportd_keyed_hash(k.key, $9, $10) > decode($2, 'hex')",
+            "exportd_keyed_hash(k.key, $9, $10)",
+            conn,
+            feed,
+            window,
+            after,
+            limit,
+            &hasher.pads().inner,
+            &hasher.pads().outer,
+        ),
+    }
 }
+
+/// [`window_changes`]' statement: the keys after position `$position`, in order `$order`
+/// (literals), the padded hash key as `$9` and `$10` where the order is hashed.
+macro_rules! window_changes_query {
+    ($position:literal, $order:literal, $conn:expr, $feed:expr, $window:expr, $after:expr, $limit:expr $(, $pad:expr)* $(,)?) => {
+        sqlx::query_as!(
+            KeyState,
+            r#"SELECT k.key, coalesce(NOT pg_visible_in_snapshot(e.created_xid, $6::text::pg_snapshot), false) AS "changed!",
+                    CASE WHEN e.data @> $7 THEN e.data::text END AS data,
+                    coalesce(e.data @> $7, false) AS "matches_at_end!", s.data IS NOT NULL AS "matched_at_start!"
+             FROM feed_window_keys k
+             LEFT JOIN LATERAL (
+                 SELECT v.data, v.created_xid FROM record_versions v WHERE v.id = k.version_id
+                 UNION ALL
+                 SELECT v.data, v.created_xid FROM record_versions v
+                 WHERE k.version_id IS NULL AND v.tenant = $4 AND v.dataset = $5 AND v.key = k.key
+                   AND exportd_live_at(v.created_xid, v.closed_xid, $8::text::pg_snapshot)
+                 LIMIT 1) e ON true
+             LEFT JOIN LATERAL (
+                 SELECT v.data FROM record_versions v
+                 WHERE NOT coalesce(e.data @> $7, false) AND NOT pg_visible_in_snapshot(e.created_xid, $6::text::pg_snapshot)
+                   AND v.tenant = $4 AND v.dataset = $5 AND v.key = k.key AND v.data IS NOT NULL
+                   AND v.data @> $7 AND exportd_live_at(v.created_xid, v.closed_xid, $6::text::pg_snapshot)
+                 LIMIT 1) s ON true
+             WHERE k.window_id = $1 AND "#
+                + $position
+                + " ORDER BY "
+                + $order
+                + " LIMIT $3",
+            $window.id,
+            $after,
+            $limit as i64,
+            $feed.tenant,
+            $feed.dataset,
+            &$window.start,
+            $feed.row_filter,
+            &$window.to_snapshot,
+            $($pad),*
+        )
+        .fetch($conn)
+    };
+}
+use window_changes_query;
 
 /// A position inside a chain of windows: the window and the last key read in it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -276,7 +307,7 @@ pub async fn chain_page(
     };
     while let Some(w) = window {
         let id = w.id;
-        let wrap = |change: Change| (ChainPosition { window_id: id, after: change.key.clone() }, change);
+        let wrap = |change: Change| (ChainPosition { window_id: id, after: feed.order.position(&change.key) }, change);
         if collect(pool, feed, &w, &after, &mut filling, &Ok, wrap).await?.is_some() {
             let last = filling.items.last().map(|(p, _)| p.clone());
             return Ok((filling.items, last, false));

@@ -39,6 +39,10 @@ pub struct Cursor {
     /// once it changes, old cursors expire, like those of a changed row filter.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cp: Option<String>,
+    /// `after` is a hashed key: the partner's keys are hashed, and its changes come in the order
+    /// of the hashes (cursors from before that order carry a real key there, and expire).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub hk: bool,
 }
 
 /// Whose cursor: it is valid only for this tenant, principal, dataset, cluster and row filter.
@@ -52,6 +56,8 @@ pub struct CursorOwner<'a> {
     pub row_filter: &'a serde_json::Value,
     /// The fingerprint of the principal's column policy for the dataset, if it has one.
     pub column_policy: Option<&'a str>,
+    /// The principal's changes come in hashed-key order (its policy hashes the key).
+    pub hashed_positions: bool,
 }
 
 impl CursorOwner<'_> {
@@ -90,6 +96,7 @@ impl Cursor {
             ts,
             rf: Some(owner.row_filter_fingerprint()),
             cp: owner.column_policy.map(str::to_owned),
+            hk: owner.hashed_positions,
         }
     }
 
@@ -129,11 +136,12 @@ impl Cursor {
             Some(rf) => *rf != fingerprint,
             None => !owner.row_filter.as_object().is_none_or(|filter| filter.is_empty()),
         };
-        let policy_changed = cursor.cp.as_deref() != owner.column_policy;
+        let policy_changed = cursor.cp.as_deref() != owner.column_policy
+            || (cursor.after.is_some() && cursor.hk != owner.hashed_positions);
         if cursor.cluster != owner.cluster || cursor.ts < oldest_ts || filter_changed || policy_changed {
             return Err(CursorError::Expired);
         }
-        Ok(Cursor { v: VERSION, rf: Some(fingerprint), ..cursor })
+        Ok(Cursor { v: VERSION, rf: Some(fingerprint), hk: owner.hashed_positions, ..cursor })
     }
 }
 
@@ -180,7 +188,30 @@ mod tests {
         cluster: &'a str,
         rf: &'a Value,
     ) -> CursorOwner<'a> {
-        CursorOwner { tenant, principal, dataset, cluster, row_filter: rf, column_policy: None }
+        CursorOwner {
+            tenant,
+            principal,
+            dataset,
+            cluster,
+            row_filter: rf,
+            column_policy: None,
+            hashed_positions: false,
+        }
+    }
+
+    #[test]
+    fn a_position_in_the_other_key_order_expires() {
+        let none = json!({});
+        let (real, hashed) = (
+            owner("acme", "p", "tickets", "42", &none),
+            CursorOwner { hashed_positions: true, ..owner("acme", "p", "tickets", "42", &none) },
+        );
+        let mid_window = Cursor { after: Some("t-1".into()), ..Cursor::new(&real, "10:12:11", 1000) };
+        let text = mid_window.encode(&keys());
+        assert_eq!(Cursor::decode(&keys(), &text, &hashed, 0), Err(CursorError::Expired));
+        assert!(Cursor::decode(&keys(), &text, &real, 0).is_ok());
+        let between_windows = Cursor::new(&real, "10:12:11", 1000).encode(&keys());
+        assert!(Cursor::decode(&keys(), &between_windows, &hashed, 0).unwrap().hk, "now in hashed order");
     }
 
     #[test]

@@ -12,6 +12,7 @@ use super::records::exposed_dataset;
 use super::state::AppState;
 use crate::auth::Caller;
 use crate::feeds::{self, Change, Cursor, CursorError, CursorOwner, Feed, Seal};
+use crate::records::KeyOrder;
 use crate::schemas::SchemaStamp;
 use crate::tenants::DatasetSchema;
 
@@ -91,6 +92,7 @@ async fn changes(
         dataset: schema.name.as_str(),
         row_filter: &row_filter,
         seal: Seal::Delayed { now, safety_delay_seconds: caller.tenant.feeds.safety_delay_seconds },
+        order: key_order(&caller, schema.name.as_str()),
     };
     let versions = caller.tenant.versions(schema.name.as_str()).expect("an exposed dataset has versions");
     let served = versions.served(caller.principal.schema_pin(schema.name.as_str()));
@@ -153,7 +155,13 @@ fn cursor_owner<'a>(
         cluster,
         row_filter,
         column_policy: caller.principal.policy_fingerprint(schema.name.as_str()),
+        hashed_positions: key_order(caller, schema.name.as_str()).is_hashed(),
     }
+}
+
+/// The order the caller receives `dataset`'s records in.
+pub(super) fn key_order<'a>(caller: &'a Caller, dataset: &str) -> KeyOrder<'a> {
+    caller.principal.column_policy(dataset).map_or(KeyOrder::Key, crate::masking::ColumnPolicy::key_order)
 }
 
 pub(super) fn readable_dataset(caller: &Caller, name: &str) -> ApiResult<std::sync::Arc<DatasetSchema>> {

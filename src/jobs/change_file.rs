@@ -34,8 +34,16 @@ pub(super) async fn write(deps: &WorkerDeps, job: &ExportJob, plan: &Plan) -> an
         let mut tx = deps.pool.begin().await?;
         sqlx::raw_sql("SET LOCAL jit = off").execute(&mut *tx).await?;
         let (tenant, dataset) = (plan.tenant.as_str(), plan.dataset.as_str());
-        let mut rows =
-            changes::key_changes(&mut tx, tenant, dataset, &from.watermark, plan.watermark.as_str(), &plan.row_filter);
+        let (from_watermark, to_watermark) = (from.watermark.as_str(), plan.watermark.as_str());
+        let mut rows = changes::key_changes(
+            &mut tx,
+            tenant,
+            dataset,
+            from_watermark,
+            to_watermark,
+            &plan.row_filter,
+            plan.key_order(),
+        );
         let mut page = Vec::with_capacity(PAGE_ROWS + 1);
         while let Some(change) = rows.try_next().await? {
             page.extend(change.rows(&mut served)?);

@@ -8,8 +8,8 @@ use super::WorkerDeps;
 use super::source::Source;
 use crate::exports::{ExportJob, FileFacts, shard_spec};
 use crate::feeds::{self, Cursor, CursorOwner, Feed, Seal};
-use crate::masking::ColumnPolicy;
-use crate::records::{AsOf, Snapshot};
+use crate::masking::{ColumnHasher, ColumnPolicy};
+use crate::records::{AsOf, KeyOrder, Snapshot};
 use crate::tenants::{DatasetName, TenantId};
 use crate::writers::{OutputColumn, ShardSpec};
 
@@ -27,6 +27,8 @@ pub(super) struct Plan {
     pub(super) shows_watermark: bool,
     /// Incremental exports: where the window chain starts and the tick it runs to.
     pub(super) chain: Option<Chain>,
+    /// Rows come in the order of the partner's hashed keys (see [`KeyOrder`]).
+    pub(super) hashed_order: Option<ColumnHasher>,
 }
 
 pub(super) struct Chain {
@@ -55,6 +57,12 @@ impl Plan {
         };
         let policy = column_policy(deps, job);
         let shard_spec = shard_spec(job.format, job.codec, &facts, policy.and_then(ColumnPolicy::hasher));
+        let hashed_order = match (job.hashed_key_order, policy.map(ColumnPolicy::key_order)) {
+            (false, _) => None,
+            (true, Some(KeyOrder::Hashed(hasher))) => Some(hasher.clone()),
+            // Never fall back to the real key's order; the job's authorization check fails it.
+            (true, _) => anyhow::bail!("the column policy that ordered export {} by hashed key changed", job.id),
+        };
         Ok(Plan {
             tenant: TenantId::parse(&job.tenant).map_err(anyhow::Error::msg)?,
             dataset: DatasetName::parse(&job.dataset).map_err(anyhow::Error::msg)?,
@@ -69,6 +77,7 @@ impl Plan {
                 start_after: job.start_after.clone(),
                 until_tick: job.until_tick.unwrap_or(0),
             }),
+            hashed_order,
         })
     }
 
@@ -79,7 +88,12 @@ impl Plan {
             dataset: &self.dataset,
             snapshot: &self.watermark,
             filters: [&self.filter, &self.row_filter],
+            order: self.key_order(),
         }
+    }
+
+    pub(super) fn key_order(&self) -> KeyOrder<'_> {
+        self.hashed_order.as_ref().map_or(KeyOrder::Key, KeyOrder::Hashed)
     }
 
     pub(super) fn source(&self) -> Source<'_> {
@@ -100,6 +114,7 @@ impl Plan {
             dataset: self.dataset.as_str(),
             row_filter: &self.row_filter,
             seal: Seal::UpTo(until_tick),
+            order: self.key_order(),
         }
     }
 
@@ -114,6 +129,7 @@ impl Plan {
                 cluster: &cluster,
                 row_filter: &job.row_filter,
                 column_policy: job.column_policy.as_deref(),
+                hashed_positions: job.hashed_key_order,
             };
             let cursor = Cursor::new(&owner, from, ts);
             Cursor { after, ..cursor }.encode(&deps.keys)

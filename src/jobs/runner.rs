@@ -505,8 +505,10 @@ impl ClaimedExport {
     ) -> anyhow::Result<Manifest> {
         let spec = &self.plan.shard_spec;
         let policy = plan::column_policy(&self.deps, &self.job);
-        // Checkpoints hold the real keys; a partner with hashed keys is shown its hashes.
-        let shown = |key: &Option<String>| key.as_deref().map(|k| policy.map_or(k.into(), |p| p.key(k)).into_owned());
+        // Checkpoints hold positions: hashed keys when rows come in hashed order, else real keys,
+        // which a partner with hashed keys (of a job planned before hashed order) sees hashed.
+        let hashes = policy.filter(|_| !self.job.hashed_key_order);
+        let shown = |key: &Option<String>| key.as_deref().map(|k| hashes.map_or(k.into(), |p| p.key(k)).into_owned());
         let shards: Vec<ManifestShard> = checkpoints
             .iter()
             .map(|c| ManifestShard {

@@ -8,7 +8,7 @@ use sqlx::{PgPool, Postgres, Transaction};
 use crate::exports::with_op;
 
 use crate::feeds::{self, ChainPosition, Feed, Op};
-use crate::records::{AsOf, Record};
+use crate::records::{AsOf, KeyOrder, Record};
 
 /// A page of rows stops early past this many bytes, so memory follows bytes, not rows (records
 /// may be up to 1 MiB each).
@@ -53,13 +53,14 @@ impl Reading {
 pub enum Pages<'c> {
     /// A snapshot's rows: one statement for the whole shard, cut into pages as they arrive, so
     /// PostgreSQL produces rows while the encoder works instead of waiting for the next query.
-    Stream { rows: BoxStream<'c, sqlx::Result<Record>>, ended: bool },
+    Stream { rows: BoxStream<'c, sqlx::Result<Record>>, order: KeyOrder<'c>, ended: bool },
     /// A feed's changes: one query per page.
     Changes { source: &'c Source<'c>, pool: &'c PgPool, after: Option<String> },
 }
 
 impl<'a> Source<'a> {
-    /// The rows after position `after` (a key, or `window/key` for changes), at most `rows`;
+    /// The rows after position `after` (a key or hashed key, see [`KeyOrder`], or `window/key`
+    /// for changes), at most `rows`;
     /// whatever the read holds open is kept in `reading`.
     pub async fn pages<'c>(
         &'c self,
@@ -70,8 +71,8 @@ impl<'a> Source<'a> {
     ) -> sqlx::Result<Pages<'c>> {
         match self {
             Source::Snapshot(query) => {
-                let tx = reading.0.insert(crate::records::in_key_order(pool).await?);
-                Ok(Pages::Stream { rows: query.stream(tx, after, rows as i64), ended: false })
+                let tx = reading.0.insert(query.order.begin(pool).await?);
+                Ok(Pages::Stream { rows: query.stream(tx, after, rows as i64), order: query.order, ended: false })
             }
             Source::Changes { .. } => Ok(Pages::Changes { source: self, pool, after: after.map(str::to_owned) }),
         }
@@ -113,7 +114,7 @@ impl Pages<'_> {
     /// The next page: up to `limit` rows, fewer once they hold [`PAGE_BYTES`].
     pub async fn next(&mut self, limit: usize) -> anyhow::Result<SourcePage> {
         match self {
-            Pages::Stream { rows, ended } => {
+            Pages::Stream { rows, order, ended } => {
                 let (mut page, mut bytes) = (Vec::new(), 0);
                 while !*ended && page.len() < limit && bytes < PAGE_BYTES {
                     match rows.try_next().await? {
@@ -124,7 +125,8 @@ impl Pages<'_> {
                         None => *ended = true,
                     }
                 }
-                let (first, last) = (page.first().map(|r| r.key.clone()), page.last().map(|r| r.key.clone()));
+                let position = |r: &Record| order.position(&r.key);
+                let (first, last) = (page.first().map(position), page.last().map(position));
                 Ok(SourcePage { rows: page, first, last, exhausted: *ended })
             }
             Pages::Changes { source, pool, after } => {

@@ -17,6 +17,8 @@ const DERIVATION: &[u8] = b"exportd column hash v1";
 pub struct ColumnHasher {
     /// Keyed once; cloned per value (a clone copies the two prepared SHA-256 states).
     keyed: Hmac<Sha256>,
+    /// The key as PostgreSQL's `exportd_keyed_hash` takes it.
+    pads: HashPads,
 }
 
 impl ColumnHasher {
@@ -26,8 +28,15 @@ impl ColumnHasher {
         for part in [DERIVATION, b"\0", tenant.as_bytes(), b"\0", principal.as_bytes()] {
             mac.update(part);
         }
-        let key = mac.finalize().into_bytes();
-        ColumnHasher { keyed: <Hmac<Sha256>>::new_from_slice(&key).expect("HMAC accepts keys of any length") }
+        let key: [u8; 32] = mac.finalize().into_bytes().into();
+        let keyed = <Hmac<Sha256>>::new_from_slice(&key).expect("HMAC accepts keys of any length");
+        ColumnHasher { keyed, pads: HashPads::of(&key) }
+    }
+
+    /// The key as PostgreSQL's `exportd_keyed_hash` takes it, which orders rows by the bytes of
+    /// [`hash`](Self::hash). Secret like the key.
+    pub fn pads(&self) -> &HashPads {
+        &self.pads
     }
 
     /// The first 128 bits of the HMAC as 32 lowercase hex digits: RFC 2104 allows truncating to
@@ -46,8 +55,53 @@ impl ColumnHasher {
     }
 }
 
+/// A partner's hash key XORed with HMAC's inner and outer pads (RFC 2104), as PostgreSQL's
+/// `exportd_keyed_hash` takes it: bound as parameters, never logged (as secret as the key).
+#[derive(Clone)]
+pub struct HashPads {
+    pub inner: Vec<u8>,
+    pub outer: Vec<u8>,
+}
+
+impl HashPads {
+    /// SHA-256's block is 64 bytes; a 32-byte key is padded with zeros.
+    fn of(key: &[u8; 32]) -> HashPads {
+        let (mut inner, mut outer) = (vec![0x36u8; 64], vec![0x5cu8; 64]);
+        for (i, byte) in key.iter().enumerate() {
+            inner[i] ^= byte;
+            outer[i] ^= byte;
+        }
+        HashPads { inner, outer }
+    }
+}
+
+impl fmt::Debug for HashPads {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("HashPads(..)")
+    }
+}
+
 impl fmt::Debug for ColumnHasher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("ColumnHasher(..)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use sha2::Digest;
+
+    use super::*;
+
+    /// What `exportd_keyed_hash` computes from the pads equals the hash a partner receives.
+    #[test]
+    fn the_pads_reproduce_the_hash() {
+        let hasher = ColumnHasher::derive(b"secret", "acme", "warehouse");
+        let pads = hasher.pads();
+        for key in ["t-1", "", "ключ-∞", &"k".repeat(512)] {
+            let inner = Sha256::digest([pads.inner.as_slice(), key.as_bytes()].concat());
+            let outer = Sha256::digest([pads.outer.as_slice(), inner.as_slice()].concat());
+            assert_eq!(hex::encode(&outer[..HASH_BYTES]), hasher.hash(key.as_bytes()), "{key}");
+        }
     }
 }

@@ -16,9 +16,10 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-pub use hasher::ColumnHasher;
+pub use hasher::{ColumnHasher, HashPads};
 pub use rule::{ColumnRule, MAX_TRUNCATE};
 
+use crate::records::KeyOrder;
 use crate::tenants::{ColumnName, DatasetSchema};
 use crate::writers::{Cell, OutputColumn};
 
@@ -95,6 +96,15 @@ impl ColumnPolicy {
     /// Whether the partner receives hashed keys (in rows, tombstones, manifests).
     pub fn hashes_keys(&self) -> bool {
         self.rules.contains_key(&self.key_column)
+    }
+
+    /// The order this partner receives records in: by the hashed key it sees when its keys are
+    /// hashed (the real key's order would let it undo the hash from row positions alone).
+    pub fn key_order(&self) -> KeyOrder<'_> {
+        match (&self.hasher, self.hashes_keys()) {
+            (Some(hasher), true) => KeyOrder::Hashed(hasher),
+            _ => KeyOrder::Key,
+        }
     }
 
     pub fn summary(&self) -> PolicySummary {

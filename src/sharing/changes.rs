@@ -12,6 +12,7 @@
 //! the version's own file spec (columns, masking, pins), so a change file's bytes depend only on
 //! the two snapshots: a worker that takes over from a crashed one writes the same bytes.
 
+use crate::records::KeyOrder;
 use futures_util::stream::BoxStream;
 use serde_json::Value;
 use sqlx::PgPool;
@@ -129,7 +130,7 @@ fn with_change_type(kind: &str, data: &str) -> String {
 }
 
 /// Every key of `dataset` whose live version at snapshot `to` was written by a transaction that
-/// `from` does not see, in key order, with its rows at both ends under `row_filter`. One
+/// `from` does not see, in `order`, with its rows at both ends under `row_filter`. One
 /// statement, streamed on `conn`: PostgreSQL sorts the changed keys (spilling to disk if it
 /// must), so memory stays flat for any number of changes. The changed versions are found by
 /// their writers' xids as window cuts find them (see `feeds::window`).
@@ -140,7 +141,13 @@ pub fn key_changes<'c>(
     from: &'c str,
     to: &'c str,
     row_filter: &'c Value,
+    order: KeyOrder<'c>,
 ) -> BoxStream<'c, sqlx::Result<KeyChange>> {
+    // A key order hashes nothing: every key's hash is NULL, and the key decides.
+    let pads = match order {
+        KeyOrder::Key => None,
+        KeyOrder::Hashed(hasher) => Some(hasher.pads()),
+    };
     sqlx::query_as!(
         KeyChange,
         r#"WITH bounds AS (SELECT $3::text::pg_snapshot AS a, $4::text::pg_snapshot AS b),
@@ -161,12 +168,14 @@ pub fn key_changes<'c>(
                LIMIT 1) s ON true
            WHERE exportd_live_at(c.created_xid, c.closed_xid, bounds.b)
              AND NOT pg_visible_in_snapshot(c.created_xid, bounds.a)
-           ORDER BY c.key"#,
+           ORDER BY exportd_keyed_hash(c.key, $6, $7), c.key"#,
         tenant,
         dataset,
         from,
         to,
         row_filter,
+        pads.map(|p| &p.inner),
+        pads.map(|p| &p.outer),
     )
     .fetch(conn)
 }

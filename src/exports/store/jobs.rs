@@ -29,6 +29,7 @@ pub struct NewJob<'a> {
     pub filter: Value,
     pub row_filter: Value,
     pub column_policy: Option<&'a str>,
+    pub hashed_key_order: bool,
     pub shard_rows: i32,
     pub from_cursor: Option<&'a str>,
     pub start_from: Option<&'a str>,
@@ -67,9 +68,9 @@ pub async fn insert(tx: &mut PgConnection, job: &NewJob<'_>) -> sqlx::Result<Ins
         "INSERT INTO export_jobs (id, tenant, principal, dataset, mode, format, codec, request, request_sha256,
              idempotency_key, columns, filter, row_filter, shard_rows, watermark,
              from_cursor, start_from, start_after, until_tick, schema_sha256, exportd_version, column_policy,
-             schema_version, subscription_id)
+             schema_version, subscription_id, hashed_key_order)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, pg_current_snapshot(), $15, $16, $17, $18,
-             $19, $20, $21, $22, $23)
+             $19, $20, $21, $22, $23, $24)
          ON CONFLICT ON CONSTRAINT export_jobs_idempotency_key DO NOTHING
          RETURNING",
         "",
@@ -96,6 +97,7 @@ pub async fn insert(tx: &mut PgConnection, job: &NewJob<'_>) -> sqlx::Result<Ins
         job.column_policy,
         job.schema_version,
         job.subscription_id,
+        job.hashed_key_order,
     )
     .fetch_optional(tx)
     .await;
