@@ -224,7 +224,7 @@ async fn worker_deps(settings: &Settings, pool: PgPool, registry: Arc<Registry>)
         give_up_after: settings.give_up_after,
         ..WorkerConfig::default()
     };
-    Ok(WorkerDeps { pool, registry, store, keys, scan, config })
+    Ok(WorkerDeps { pool, registry, store, keys, scan, config, spools: Default::default() })
 }
 
 /// The loop delivering exports into partners' buckets.

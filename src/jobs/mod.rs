@@ -13,6 +13,7 @@ mod runner;
 mod shard;
 mod shard_task;
 mod source;
+mod spool;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,6 +24,7 @@ use tracing::Instrument;
 
 pub use crate::exports::store::lease::{Lease, LeaseLost};
 pub use runner::{ClaimedExport, Step};
+pub use spool::Spools;
 
 use time::OffsetDateTime;
 
@@ -104,6 +106,8 @@ pub struct WorkerDeps {
     /// Rows per second each tenant's exports may read.
     pub scan: Arc<ScanLimits>,
     pub config: WorkerConfig,
+    /// Hashed-key exports' rows, spooled once per export and worker (see [`spool`]).
+    pub spools: Arc<Spools>,
 }
 
 #[derive(Debug, PartialEq)]

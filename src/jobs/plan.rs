@@ -88,8 +88,30 @@ impl Plan {
             dataset: &self.dataset,
             snapshot: &self.watermark,
             filters: [&self.filter, &self.row_filter],
-            order: self.key_order(),
         }
+    }
+
+    /// The partner's hasher when the rows come from a spool (a full export in hashed-key order,
+    /// see [`super::spool`]).
+    pub(super) fn spooled(&self) -> Option<&ColumnHasher> {
+        self.hashed_order.as_ref().filter(|_| self.chain.is_none())
+    }
+
+    /// How many rows follow position `after` (at most `limit`), and the last one's position:
+    /// where a shard starting after `after` ends.
+    pub(super) async fn span(
+        &self,
+        deps: &WorkerDeps,
+        id: uuid::Uuid,
+        after: Option<&str>,
+        limit: u64,
+    ) -> anyhow::Result<(i64, Option<String>)> {
+        let Some(hasher) = self.spooled() else {
+            return Ok(self.as_of().span(&deps.pool, after, limit as i64).await?);
+        };
+        let keep_going = || async { Ok(true) };
+        let spool = deps.spools.get(id, &deps.pool, &self.as_of(), hasher, keep_going).await?;
+        spool.context("spooling stopped")?.read_after(after)?.span(limit).await
     }
 
     pub(super) fn key_order(&self) -> KeyOrder<'_> {

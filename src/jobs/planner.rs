@@ -41,13 +41,13 @@ pub(super) async fn append(deps: &WorkerDeps, job: &ExportJob, plan: &Plan, leas
     if front.free {
         return Ok(Appended::FrontierFree);
     }
-    let end = end_of(deps, plan, &front).await?;
+    let end = end_of(deps, job.id, plan, &front).await?;
     let (rows, last_key) = (end.rows, end.last_key.as_deref());
     let index = front.shard_index + 1;
     let mut complete = (rows as u64) < plan.shard_rows;
     if !complete && index as u32 >= deps.config.max_shards {
         // The limit matters only if a row follows.
-        let (more, _) = plan.as_of().span(&deps.pool, last_key, 1).await?;
+        let (more, _) = plan.span(deps, job.id, last_key, 1).await?;
         if more > 0 {
             let max_shards = deps.config.max_shards;
             let detail = format!(
@@ -77,7 +77,7 @@ pub(super) async fn count_ahead(deps: &WorkerDeps, job: &ExportJob) -> anyhow::R
     let Some(front) = shard_plan::frontier(&deps.pool, job.id).await? else {
         return Ok(false);
     };
-    let end = end_of(deps, &plan, &front).await?;
+    let end = end_of(deps, job.id, &plan, &front).await?;
     let (rows, last_key) = (end.rows, end.last_key.as_deref());
     let end = end.to_record(front.shard_index);
     let helper = Planner::Helper(job.id);
@@ -96,7 +96,7 @@ pub(super) async fn count_ahead(deps: &WorkerDeps, job: &ExportJob) -> anyhow::R
     if index as u32 >= deps.config.max_shards || before >= max_rows {
         return record_end(false).await;
     }
-    let (next_rows, next_last) = plan.as_of().span(&deps.pool, last_key, plan.shard_rows as i64).await?;
+    let (next_rows, next_last) = plan.span(deps, job.id, last_key, plan.shard_rows).await?;
     if next_rows == 0 {
         return record_end(true).await;
     }
@@ -123,10 +123,10 @@ impl End {
 }
 
 /// Where the frontier ends: known (counted or written), or counted now.
-async fn end_of(deps: &WorkerDeps, plan: &Plan, front: &Frontier) -> anyhow::Result<End> {
+async fn end_of(deps: &WorkerDeps, id: uuid::Uuid, plan: &Plan, front: &Frontier) -> anyhow::Result<End> {
     if let Some(rows) = front.rows {
         return Ok(End { rows, last_key: front.last_key.clone(), counted: false });
     }
-    let (rows, last_key) = plan.as_of().span(&deps.pool, front.after_key.as_deref(), plan.shard_rows as i64).await?;
+    let (rows, last_key) = plan.span(deps, id, front.after_key.as_deref(), plan.shard_rows).await?;
     Ok(End { rows, last_key, counted: true })
 }

@@ -243,7 +243,12 @@ impl ClaimedExport {
                     // lease expiring frees it.
                     let _ = self.release_shard().await;
                 }
-                other => return other,
+                other => {
+                    if other.as_ref().is_ok_and(Step::is_final) {
+                        self.deps.spools.forget(self.job.id);
+                    }
+                    return other;
+                }
             }
         }
     }

@@ -52,6 +52,8 @@ pub struct ShardJob<'a> {
     pub tenant: &'a str,
     /// Give up (`Throttled`) instead of waiting when the tenant's scan budget is spent at the start.
     pub may_defer: bool,
+    /// Where a snapshot's rows come from in hashed-key order (see [`super::spool`]).
+    pub spool: Option<std::sync::Arc<super::spool::Spool>>,
 }
 
 /// Writes one shard. `keep_going` is called between pages (heartbeats); `false` stops.
@@ -71,8 +73,12 @@ where
         Err(_) => 0,
     };
     let mut reading = Reading::default();
-    let mut source =
-        job.source.pages(pool, &mut reading, job.after.as_deref(), job.shard_rows).await.context("reading records")?;
+    let after = job.after.as_deref();
+    let mut source = job
+        .source
+        .pages(pool, &mut reading, after, job.shard_rows, job.spool.clone())
+        .await
+        .context("reading records")?;
     let mut limit = job.page_rows.min(job.shard_rows);
     prepaid = pay(job.scan, job.tenant, prepaid, limit).await;
     let mut page = source.next(limit as usize).await.context("reading records")?;

@@ -72,6 +72,16 @@ impl<'a> ShardTask<'a> {
         let index = self.shard.shard_index;
         let deps = self.deps;
         let object_key = object_key(self.job, &self.shard, self.plan.shard_spec.format.extension());
+        let spool = match self.plan.spooled() {
+            None => None,
+            Some(hasher) => {
+                let keep_going = || heartbeat.keep_going();
+                match deps.spools.get(self.job.id, &deps.pool, &self.plan.as_of(), hasher, keep_going).await? {
+                    Some(spool) => Some(spool),
+                    None => return Ok(Written::Stopped),
+                }
+            }
+        };
         let job = ShardJob {
             store: &deps.store,
             source: self.plan.source(),
@@ -85,6 +95,7 @@ impl<'a> ShardTask<'a> {
             scan: &deps.scan,
             tenant: &self.job.tenant,
             may_defer: self.may_defer,
+            spool,
         };
         let written = match shard::write_shard(&deps.pool, job, || heartbeat.keep_going()).await? {
             Ok(written) => written,

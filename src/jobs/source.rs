@@ -7,8 +7,9 @@ use sqlx::{PgPool, Postgres, Transaction};
 
 use crate::exports::with_op;
 
+use super::spool::{Spool, SpoolReader};
 use crate::feeds::{self, ChainPosition, Feed, Op};
-use crate::records::{AsOf, KeyOrder, Record};
+use crate::records::{AsOf, Record};
 
 /// A page of rows stops early past this many bytes, so memory follows bytes, not rows (records
 /// may be up to 1 MiB each).
@@ -53,14 +54,16 @@ impl Reading {
 pub enum Pages<'c> {
     /// A snapshot's rows: one statement for the whole shard, cut into pages as they arrive, so
     /// PostgreSQL produces rows while the encoder works instead of waiting for the next query.
-    Stream { rows: BoxStream<'c, sqlx::Result<Record>>, order: KeyOrder<'c>, ended: bool },
+    Stream { rows: BoxStream<'c, sqlx::Result<Record>>, ended: bool },
+    /// A snapshot's rows in hashed-key order, from the export's spool.
+    Spooled { reader: SpoolReader, ended: bool },
     /// A feed's changes: one query per page.
     Changes { source: &'c Source<'c>, pool: &'c PgPool, after: Option<String> },
 }
 
 impl<'a> Source<'a> {
-    /// The rows after position `after` (a key or hashed key, see [`KeyOrder`], or `window/key`
-    /// for changes), at most `rows`;
+    /// The rows after position `after` (a key, a hashed key when they come from `spool`, or
+    /// `window/key` for changes), at most `rows`;
     /// whatever the read holds open is kept in `reading`.
     pub async fn pages<'c>(
         &'c self,
@@ -68,13 +71,15 @@ impl<'a> Source<'a> {
         reading: &'c mut Reading,
         after: Option<&'c str>,
         rows: u64,
-    ) -> sqlx::Result<Pages<'c>> {
-        match self {
-            Source::Snapshot(query) => {
-                let tx = reading.0.insert(query.order.begin(pool).await?);
-                Ok(Pages::Stream { rows: query.stream(tx, after, rows as i64), order: query.order, ended: false })
+        spool: Option<std::sync::Arc<Spool>>,
+    ) -> anyhow::Result<Pages<'c>> {
+        match (self, spool) {
+            (Source::Snapshot(_), Some(spool)) => Ok(Pages::Spooled { reader: spool.read_after(after)?, ended: false }),
+            (Source::Snapshot(query), None) => {
+                let tx = reading.0.insert(crate::records::in_key_order(pool).await?);
+                Ok(Pages::Stream { rows: query.stream(tx, after, rows as i64), ended: false })
             }
-            Source::Changes { .. } => Ok(Pages::Changes { source: self, pool, after: after.map(str::to_owned) }),
+            (Source::Changes { .. }, _) => Ok(Pages::Changes { source: self, pool, after: after.map(str::to_owned) }),
         }
     }
 
@@ -114,7 +119,7 @@ impl Pages<'_> {
     /// The next page: up to `limit` rows, fewer once they hold [`PAGE_BYTES`].
     pub async fn next(&mut self, limit: usize) -> anyhow::Result<SourcePage> {
         match self {
-            Pages::Stream { rows, order, ended } => {
+            Pages::Stream { rows, ended } => {
                 let (mut page, mut bytes) = (Vec::new(), 0);
                 while !*ended && page.len() < limit && bytes < PAGE_BYTES {
                     match rows.try_next().await? {
@@ -125,8 +130,22 @@ impl Pages<'_> {
                         None => *ended = true,
                     }
                 }
-                let position = |r: &Record| order.position(&r.key);
-                let (first, last) = (page.first().map(position), page.last().map(position));
+                let (first, last) = (page.first().map(|r| r.key.clone()), page.last().map(|r| r.key.clone()));
+                Ok(SourcePage { rows: page, first, last, exhausted: *ended })
+            }
+            Pages::Spooled { reader, ended } => {
+                let (mut page, mut bytes, mut first, mut last) = (Vec::new(), 0, None, None);
+                while !*ended && page.len() < limit && bytes < PAGE_BYTES {
+                    match reader.next().await? {
+                        Some((record, position)) => {
+                            bytes += record.key.len() + record.data.len();
+                            first.get_or_insert_with(|| position.clone());
+                            last = Some(position);
+                            page.push(record);
+                        }
+                        None => *ended = true,
+                    }
+                }
                 Ok(SourcePage { rows: page, first, last, exhausted: *ended })
             }
             Pages::Changes { source, pool, after } => {

@@ -44,9 +44,14 @@ impl ColumnHasher {
     /// odds), and random digits are what a compressed file cannot shrink — half of them halve
     /// what a hashed column adds to the partner's files.
     pub fn hash(&self, text: &[u8]) -> String {
+        hex::encode(self.hash_bytes(text))
+    }
+
+    /// The bytes [`hash`](Self::hash) writes in hex (their order is the hex digits' order).
+    pub fn hash_bytes(&self, text: &[u8]) -> [u8; HASH_BYTES] {
         let mut mac = self.keyed.clone();
         mac.update(text);
-        hex::encode(&mac.finalize().into_bytes()[..HASH_BYTES])
+        mac.finalize().into_bytes()[..HASH_BYTES].try_into().expect("HMAC-SHA256 has 32 bytes")
     }
 
     /// Names the key without revealing it (a hash of a fixed label), for policy fingerprints.

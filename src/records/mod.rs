@@ -138,29 +138,26 @@ pub struct AsOf<'a> {
     /// JSON objects every record's data must contain (`data @> filter`), e.g. a request filter
     /// and a partner's row filter. Empty objects match everything.
     pub filters: [&'a Value; 2],
-    /// The order records come in, and what a position (`after`, a last key) is.
-    pub order: KeyOrder<'a>,
 }
 
 impl<'a> AsOf<'a> {
     pub fn new(tenant: &'a TenantId, dataset: &'a DatasetName, snapshot: &'a Snapshot) -> Self {
         static EMPTY: Value = Value::Null;
-        AsOf { tenant, dataset, snapshot, filters: [&EMPTY, &EMPTY], order: KeyOrder::Key }
+        AsOf { tenant, dataset, snapshot, filters: [&EMPTY, &EMPTY] }
     }
 
-    /// Up to `limit` records in [order](KeyOrder) after position `after`. Exact from any
-    /// transaction that began after the snapshot was taken; no transaction needs to stay open
-    /// between pages.
+    /// Up to `limit` records in key (byte) order after key `after`. Exact from any transaction
+    /// that began after the snapshot was taken; no transaction needs to stay open between pages.
     pub async fn page(&self, pool: &PgPool, after: Option<&str>, limit: i64) -> sqlx::Result<Vec<Record>> {
         use futures_util::TryStreamExt;
-        let mut tx = self.order.begin(pool).await?;
+        let mut tx = in_key_order(pool).await?;
         let rows = self.stream(&mut tx, after, limit).try_collect().await?;
         tx.commit().await?;
         Ok(rows)
     }
 
-    /// Up to `limit` records in order after position `after`, as one statement streamed on
-    /// `conn`, a transaction begun by [`KeyOrder::begin`]. The reader takes rows at its own pace
+    /// Up to `limit` records in key order after key `after`, as one statement streamed on
+    /// `conn`, a transaction begun by [`in_key_order`]. The reader takes rows at its own pace
     /// (PostgreSQL waits on the socket), so a long read costs neither memory nor the round
     /// trips and index descents of page after page — but holds the transaction (and its
     /// connection) until the stream is dropped.
@@ -170,34 +167,25 @@ impl<'a> AsOf<'a> {
         after: Option<&'c str>,
         limit: i64,
     ) -> futures_util::stream::BoxStream<'c, sqlx::Result<Record>> {
-        match self.order {
-            KeyOrder::Key => page_statement!(checked_page(self, after, limit)).fetch(conn),
-            KeyOrder::Hashed(hasher) => order::hashed_stream(self, hasher, conn, after, limit),
-        }
+        page_statement!(checked_page(self, after, limit)).fetch(conn)
     }
 
-    /// How many records follow position `after` (at most `limit`), and the last of their
-    /// positions: where a shard of `limit` rows starting after `after` ends. Reads no record data
-    /// beyond the filters, so planning an export's shards costs a fraction of writing them.
+    /// How many records follow key `after` (at most `limit`), and the last of their keys: where
+    /// a shard of `limit` rows starting after `after` ends. Reads no record data beyond the
+    /// filters, so planning an export's shards costs a fraction of writing them.
     pub async fn span(&self, pool: &PgPool, after: Option<&str>, limit: i64) -> sqlx::Result<(i64, Option<String>)> {
-        let mut tx = self.order.begin(pool).await?;
-        let span = match self.order {
-            KeyOrder::Key => {
-                as_of_after!(
-                    checked_span(
-                        r#"SELECT count(*) AS "rows!", max(s.key) AS last_key FROM (SELECT v.key FROM record_versions v WHERE "#,
-                        "v.key > $4",
-                        " ORDER BY v.key LIMIT $5) s",
-                    ),
-                    self,
-                    after,
-                    limit
-                )
-                .fetch_one(&mut *tx)
-                .await?
-            }
-            KeyOrder::Hashed(hasher) => order::hashed_span(self, hasher, &mut tx, after, limit).await?,
-        };
+        let mut tx = in_key_order(pool).await?;
+        let span = as_of_after!(
+            checked_span(
+                r#"SELECT count(*) AS "rows!", max(s.key) AS last_key FROM (SELECT v.key FROM record_versions v WHERE "#,
+                " ORDER BY v.key LIMIT $5) s",
+            ),
+            self,
+            after,
+            limit
+        )
+        .fetch_one(&mut *tx)
+        .await?;
         tx.commit().await?;
         Ok((span.rows, span.last_key))
     }
@@ -206,7 +194,7 @@ impl<'a> AsOf<'a> {
     /// Diagnostics: shows that pages walk the key index whatever the table's statistics say.
     pub async fn page_plan(&self, pool: &PgPool, after: Option<&str>, limit: i64) -> sqlx::Result<Vec<String>> {
         let query = sqlx::query_as::<_, (String,)>(page_statement!(explain()));
-        let mut tx = KeyOrder::Key.begin(pool).await?;
+        let mut tx = in_key_order(pool).await?;
         let plan = bind_as_of(query, self, after, limit).fetch_all(&mut *tx).await?;
         tx.commit().await?;
         Ok(plan.into_iter().map(|(line,)| line).collect())
@@ -231,22 +219,20 @@ fn bind_as_of<'q, O>(
 }
 
 /// Calls `$then!` with the statement `$before`, the conditions of "the records of tenant `$1`,
-/// dataset `$2` as of snapshot `$3`, after position `$4` (the condition `$position`),
-/// containing the filters `$6` and `$7` (each may be NULL)", then `$after` — four literals
-/// joined by `+`, as `query!` takes them — followed by the bound values of `$as_of`. One
-/// spelling of the conditions for every reader.
+/// dataset `$2` as of snapshot `$3`, after key `$4`, containing the filters `$6` and `$7` (each
+/// may be NULL)", then `$after` — three literals joined by `+`, as `query!` takes them — followed
+/// by the bound values of `$as_of`. One spelling of the conditions for every reader.
 macro_rules! as_of_after {
-    ($then:ident($before:literal, $position:literal, $after:literal $(,)?) $(, $($arg:tt)+)?) => {
+    ($then:ident($before:literal, $after:literal $(,)?) $(, $as_of:expr, $after_key:expr, $limit:expr)? $(,)?) => {
         $then!(
             $before
-                + "v.tenant = $1 AND v.dataset = $2 AND "
-                + $position
-                + " AND exportd_live_at(v.created_xid, v.closed_xid, $3::text::pg_snapshot)
+                + "v.tenant = $1 AND v.dataset = $2 AND v.key > $4
+                   AND exportd_live_at(v.created_xid, v.closed_xid, $3::text::pg_snapshot)
                    AND v.data IS NOT NULL
                    AND ($6::jsonb IS NULL OR v.data @> $6)
                    AND ($7::jsonb IS NULL OR v.data @> $7)"
                 + $after
-            $(, $($arg)+)?
+            $(, $as_of, $after_key, $limit)?
         )
     };
 }
@@ -258,12 +244,8 @@ use as_of_after;
 macro_rules! page_statement {
     ($then:ident($($as_of:expr, $after_key:expr, $limit:expr)?)) => {
         as_of_after!(
-            $then(
-                r#"SELECT v.key, v.data::text AS "data!" FROM record_versions v WHERE "#,
-                "v.key > $4",
-                " ORDER BY v.key LIMIT $5"
-            )
-            $(, $as_of, $after_key, $limit)?
+            $then(r#"SELECT v.key, v.data::text AS "data!" FROM record_versions v WHERE "#, " ORDER BY v.key LIMIT $5"),
+            $($as_of, $after_key, $limit)?
         )
     };
 }
@@ -301,17 +283,16 @@ macro_rules! checked_span {
 }
 use checked_span;
 
-/// Where a shard of at most `$5` rows after position `$4` ends: how many rows, and the last
-/// position.
+/// Where a shard of at most `$5` rows after key `$4` ends: how many rows, and the last key.
 struct Span {
     rows: i64,
     last_key: Option<String>,
 }
 
-/// `EXPLAIN` of a statement given as literals (see [`as_of_after!`]), run unchecked.
+/// `EXPLAIN` of a statement given as three literals (see [`as_of_after!`]), run unchecked.
 macro_rules! explain {
-    ($first:literal $(+ $part:literal)*) => {
-        sqlx::AssertSqlSafe(concat!("EXPLAIN ", $first $(, $part)*))
+    ($a:literal + $b:literal + $c:literal) => {
+        sqlx::AssertSqlSafe(concat!("EXPLAIN ", $a, $b, $c))
     };
 }
 use explain;

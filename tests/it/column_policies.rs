@@ -504,3 +504,44 @@ async fn hashed_keys_come_in_hashed_order_so_positions_reveal_no_real_key(pool: 
     }
     assert_eq!(changed, ids, "incremental rows in hashed-key order");
 }
+
+/// Workers that each spool the rows themselves, taking turns on one hashed-key export (each
+/// yields after a shard), write the bytes of a single worker's run.
+#[sqlx::test(migrations = "./migrations")]
+async fn a_hashed_key_export_has_the_same_bytes_whichever_workers_write_its_shards(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let records: Vec<Value> =
+        (0..200).map(|i| json!({"key": key(i), "data": {"name": "Zed", "email": email(i)}})).collect();
+    assert_eq!(app.ingest(&app.token("acme", "alice"), "contacts", &Value::Array(records)).await.status(), 200);
+    let lens = app.token("acme", "lens");
+    let body = json!({"dataset": "contacts", "format": "csv", "shard_rows": 30});
+    let shards = |id: String| {
+        let app = &app;
+        let lens = &lens;
+        async move {
+            let manifest: Value =
+                app.get(Some(lens), &format!("/v1/exports/{id}/manifest")).await.json().await.unwrap();
+            let shards = manifest["shards"].as_array().unwrap().clone();
+            shards.iter().map(|s| (s["sha256"].clone(), s["first_key"].clone(), s["rows"].clone())).collect::<Vec<_>>()
+        }
+    };
+    let alone = app.export(&lens, &body).await;
+    exportd::jobs::drain(&app.deps(), "alone").await.unwrap();
+    let taking_turns = app.export(&lens, &body).await;
+    let (a, b, c) = (app.deps(), app.deps(), app.deps());
+    let (ra, rb, rc) =
+        tokio::join!(exportd::jobs::drain(&a, "a"), exportd::jobs::drain(&b, "b"), exportd::jobs::drain(&c, "c"));
+    for ran in [ra, rb, rc] {
+        ran.unwrap();
+    }
+    let writers: Vec<String> =
+        sqlx::query_scalar("SELECT DISTINCT written_by FROM export_shards WHERE export_id = $1::text::uuid")
+            .bind(&taking_turns)
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    let (alone, taking_turns) = (shards(alone).await, shards(taking_turns).await);
+    assert_eq!(alone.len(), 7);
+    assert_eq!(alone, taking_turns, "written by {writers:?}");
+    assert!(writers.len() > 1, "one worker wrote every shard: {writers:?}");
+}

@@ -590,3 +590,36 @@ async fn a_change_only_to_a_column_the_partner_is_not_served_is_no_change(pool: 
     let expected = [("t-2", "update_preimage"), ("t-2", "update_postimage")];
     assert_eq!(rows, expected.map(|(k, t)| (k.to_owned(), t.to_owned())), "nothing of t-1's hidden change");
 }
+
+/// A partner whose keys are hashed (lens, contacts) finds a version's changes in the order of
+/// its hashed keys, each key's pre- and post-image together — never in the real keys' order.
+#[sqlx::test(migrations = "./migrations")]
+async fn change_files_of_hashed_keys_come_in_hashed_order(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let (admin, lens) = (app.token("acme", "alice"), app.token("acme", "lens"));
+    let contacts = |name: &str| {
+        let rows: Vec<Value> = (0..60)
+            .map(|i| json!({"key": format!("c-{i:03}"), "data": {"name": name, "email": format!("p{i}@example.com")}}))
+            .collect();
+        Value::Array(rows)
+    };
+    let publish = async || {
+        let id = app.export(&lens, &json!({"dataset": "contacts", "format": "parquet", "shard_rows": 25})).await;
+        assert_eq!(app.drain().await, vec![Step::Published]);
+        id
+    };
+    assert_eq!(app.ingest(&admin, "contacts", &contacts("Ann")).await.status(), 200);
+    publish().await;
+    assert_eq!(app.ingest(&admin, "contacts", &contacts("Bob")).await.status(), 200);
+    publish().await;
+    let table = "/delta-sharing/shares/lens/schemas/acme/tables/contacts";
+    let changes = ndjson(app.get(Some(&lens), &format!("{table}/changes?startingVersion=1")).await).await;
+    let rows = change_rows(&changes.last().unwrap()["cdf"]).await;
+    assert_eq!(rows.len(), 120, "a pre- and a post-image per contact");
+    let keys: Vec<&str> = rows.iter().step_by(2).map(|(k, _)| k.as_str()).collect();
+    assert!(keys.windows(2).all(|w| w[0] < w[1]), "changes in hashed-key order: {keys:?}");
+    for pair in rows.chunks(2) {
+        assert_eq!(pair[0].0, pair[1].0);
+        assert_eq!([pair[0].1.as_str(), pair[1].1.as_str()], ["update_preimage", "update_postimage"]);
+    }
+}

@@ -186,6 +186,7 @@ impl TestApp {
             scan: Arc::new(ScanLimits::new(&registry)),
             registry,
             config: WorkerConfig { page_rows: 7, ..WorkerConfig::default() },
+            spools: Default::default(),
         }
     }
 
