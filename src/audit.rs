@@ -29,11 +29,11 @@ pub async fn record(pool: &PgPool, event: AuditEvent<'_>) {
     }
 }
 
-/// Inserts an event with `executor` (e.g. inside the transaction that decided it).
-pub async fn insert<'e>(executor: impl sqlx::PgExecutor<'e>, event: &AuditEvent<'_>) -> sqlx::Result<()> {
-    sqlx::query!(
+/// Inserts an event with `executor` (e.g. inside the transaction that decided it); its id.
+pub async fn insert<'e>(executor: impl sqlx::PgExecutor<'e>, event: &AuditEvent<'_>) -> sqlx::Result<i64> {
+    sqlx::query_scalar!(
         "INSERT INTO audit_log (tenant, principal, action, export_id, object, byte_range, status, address, bytes)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) RETURNING id",
         event.tenant,
         event.principal,
         event.action,
@@ -44,9 +44,8 @@ pub async fn insert<'e>(executor: impl sqlx::PgExecutor<'e>, event: &AuditEvent<
         event.address,
         event.bytes.map(|b| b as i64),
     )
-    .execute(executor)
-    .await?;
-    Ok(())
+    .fetch_one(executor)
+    .await
 }
 
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]

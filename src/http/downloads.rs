@@ -122,9 +122,53 @@ async fn serve(
     let slot = state.limits.download_slot(&caller)?;
     // The first bytes are read before anything is charged or answered, so a store that is down
     // gives a clean 503 rather than a cut-off body.
-    let body = Body::from_stream(body(&state.store, &download, reply.answer, slot).await?);
-    charge(state, &caller, &download, &reply, peer).await?;
-    Ok(respond(&download, reply.answer, body))
+    let bytes = body(&state.store, &download, reply.answer, slot).await?;
+    let admitted = charge(state, &caller, &download, &reply, peer).await?;
+    let metered = Metered { bytes, sent: 0, pool: state.pool.clone(), tenant: caller.tenant.id.to_string(), admitted };
+    Ok(respond(&download, reply.answer, Body::from_stream(metered)))
+}
+
+/// A download's body, counting the bytes handed to the connection. When it ends — all sent, the
+/// client gone, or the store failed mid-body — what was admitted but not sent is given back
+/// (egress, audit entry), however the client reads: ranges, early closes, retries.
+struct Metered {
+    bytes: BodyStream,
+    sent: u64,
+    pool: sqlx::PgPool,
+    tenant: String,
+    admitted: quota::Admitted,
+}
+
+impl futures_util::Stream for Metered {
+    type Item = std::io::Result<bytes::Bytes>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let polled = self.bytes.poll_next_unpin(cx);
+        if let std::task::Poll::Ready(Some(Ok(chunk))) = &polled {
+            self.sent += chunk.len() as u64;
+        }
+        polled
+    }
+}
+
+impl Drop for Metered {
+    fn drop(&mut self) {
+        metrics::counter!("exportd_egress_bytes_total", "tenant" => self.tenant.clone()).increment(self.sent);
+        if self.sent >= self.admitted.bytes {
+            return;
+        }
+        let (pool, tenant, admitted, sent) =
+            (self.pool.clone(), std::mem::take(&mut self.tenant), self.admitted, self.sent);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        runtime.spawn(async move {
+            if let Err(e) = quota::refund_unsent(&pool, &tenant, admitted, sent).await {
+                tracing::error!(error = %e, %tenant, "could not give back a download's unsent bytes");
+            }
+        });
+    }
 }
 
 /// Who is downloading: the signed link's principal, or the bearer token's.
@@ -201,14 +245,12 @@ async fn charge(
     download: &Download,
     reply: &Reply,
     peer: SocketAddr,
-) -> ApiResult<()> {
+) -> ApiResult<quota::Admitted> {
     let event = reply.event(caller, download, peer, reply.status, reply.bytes);
     match quota::admit_download(&state.pool, &caller.tenant, event, state.clock.now()).await? {
-        Ok(()) => {
+        Ok(admitted) => {
             metrics::counter!("exportd_downloads_total", "status" => reply.status.as_str().to_owned()).increment(1);
-            metrics::counter!("exportd_egress_bytes_total", "tenant" => caller.tenant.id.to_string())
-                .increment(reply.bytes);
-            Ok(())
+            Ok(admitted)
         }
         Err(rejection) => {
             metrics::counter!("exportd_downloads_total", "status" => "429").increment(1);

@@ -13,20 +13,55 @@ use time::OffsetDateTime;
 use crate::audit::{AuditEvent, insert};
 use crate::tenants::Tenant;
 
-/// Records the download if it fits today's quota; otherwise how long until the day rolls over.
+/// A download admitted with all of its bytes charged: what to give back if fewer are sent.
+#[derive(Debug, Clone, Copy)]
+pub struct Admitted {
+    /// Its audit log entry.
+    pub audit_id: i64,
+    /// The day its bytes count towards.
+    pub day: time::Date,
+    pub bytes: u64,
+}
+
+/// Records the download, charging every byte it may send, if they fit today's quota; otherwise
+/// how long until the day rolls over. What is not sent is given back with [`refund_unsent`].
 pub async fn admit_download(
     pool: &PgPool,
     tenant: &Tenant,
     event: AuditEvent<'_>,
     now: OffsetDateTime,
-) -> sqlx::Result<Result<(), Rejection>> {
+) -> sqlx::Result<Result<Admitted, Rejection>> {
     let mut tx = pool.begin().await?;
-    if let Err(rejection) = admit(&mut tx, tenant, event.bytes.unwrap_or(0), now).await? {
+    let bytes = event.bytes.unwrap_or(0);
+    if let Err(rejection) = admit(&mut tx, tenant, bytes, now).await? {
         return Ok(Err(rejection));
     }
-    insert(&mut *tx, &event).await?;
+    let audit_id = insert(&mut *tx, &event).await?;
     tx.commit().await?;
-    Ok(Ok(()))
+    Ok(Ok(Admitted { audit_id, day: now.date(), bytes }))
+}
+
+/// A download that ended after `sent` of its admitted bytes (its client left, or the store
+/// failed mid-body): the rest comes off the day's egress (unless the day has rolled over since)
+/// and its audit entry says what was sent, so egress counts the bytes that went out.
+pub async fn refund_unsent(pool: &PgPool, tenant: &str, admitted: Admitted, sent: u64) -> sqlx::Result<()> {
+    let unsent = admitted.bytes.saturating_sub(sent);
+    if unsent == 0 {
+        return Ok(());
+    }
+    let mut tx = pool.begin().await?;
+    sqlx::query!(
+        "UPDATE tenant_usage SET egress_bytes = greatest(egress_bytes - $3, 0) WHERE tenant = $1 AND egress_day = $2",
+        tenant,
+        admitted.day,
+        i64::try_from(unsent).unwrap_or(i64::MAX),
+    )
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query!("UPDATE audit_log SET bytes = $2 WHERE id = $1", admitted.audit_id, sent as i64)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await
 }
 
 /// Adds `bytes` to today's egress inside `tx` if they fit the quota (the tenant's usage row stays

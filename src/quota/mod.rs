@@ -11,7 +11,7 @@ mod scan;
 mod shares;
 
 pub use cpu::{CpuTurn, CpuTurns};
-pub use egress::{admit_download, egress_today};
+pub use egress::{Admitted, admit_download, egress_today, refund_unsent};
 pub use rate::{RateLimits, run_housekeeping};
 pub use refusals::{RefusalKind, Refusals};
 pub use rejection::Rejection;

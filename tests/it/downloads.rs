@@ -281,3 +281,65 @@ async fn the_audit_log_records_who_did_what_without_tokens(pool: PgPool) {
             .is_empty()
     );
 }
+
+/// Egress counts the bytes that went out: a client that closes a download early is charged (and
+/// audited) for what it was sent, not for the whole file; one that reads it all, for all of it.
+#[sqlx::test(migrations = "./migrations")]
+async fn a_download_closed_early_is_charged_only_for_what_was_sent(pool: PgPool) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let app = TestApp::spawn(pool).await;
+    // Big enough (≈ 8 MB of gzip) that socket buffers cannot take the whole file at once.
+    app.seed("acme", "tickets", 150_000).await;
+    let admin = app.token("acme", "alice");
+    let id = app.export(&admin, &json!({"dataset": "tickets", "format": "csv"})).await;
+    assert_eq!(app.drain().await, vec![Step::Published]);
+    let path = format!("/v1/exports/{id}/file");
+    let head = app.client.head(app.url(&path)).bearer_auth(&admin).send().await.unwrap();
+    let length: u64 = head.headers()["content-length"].to_str().unwrap().parse().unwrap();
+    assert!(length > 6 << 20, "{length} bytes");
+    let egress = async || -> i64 {
+        sqlx::query_scalar("SELECT coalesce(sum(egress_bytes), 0)::bigint FROM tenant_usage WHERE tenant = 'acme'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap()
+    };
+    let audited = async || -> Vec<i64> {
+        sqlx::query_scalar(
+            "SELECT bytes FROM audit_log WHERE action = 'downloaded' AND export_id = $1::text::uuid ORDER BY id",
+        )
+        .bind(&id)
+        .fetch_all(&app.pool)
+        .await
+        .unwrap()
+    };
+
+    // Read the head and 256 KiB of the body, then hang up.
+    let mut socket = tokio::net::TcpStream::connect(app.url("").trim_start_matches("http://")).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: exportd\r\nAuthorization: Bearer {admin}\r\n\r\n");
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut received = vec![0u8; 256 << 10];
+    socket.read_exact(&mut received).await.unwrap();
+    drop(socket);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let sent = loop {
+        let rows = audited().await;
+        if rows.len() == 1 && (rows[0] as u64) < length {
+            break rows[0] as u64;
+        }
+        assert!(std::time::Instant::now() < deadline, "the early close was never accounted for: {rows:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert!(sent >= (256 << 10) - 1024, "at least what the client read was sent: {sent}");
+    assert_eq!(egress().await as u64, sent, "the day's egress is what was sent");
+
+    // A whole download is charged whole.
+    let whole = app.client.get(app.url(&path)).bearer_auth(&admin).send().await.unwrap().bytes().await.unwrap();
+    assert_eq!(whole.len() as u64, length);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while audited().await.len() < 2 {
+        assert!(std::time::Instant::now() < deadline);
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(audited().await, vec![sent as i64, length as i64]);
+    assert_eq!(egress().await as u64, sent + length);
+}
