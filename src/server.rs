@@ -19,7 +19,7 @@ use crate::http::{self, AppState};
 use crate::jobs::{self, WorkerConfig, WorkerDeps};
 use crate::links::LinkKeys;
 use crate::quota::{RateLimits, ScanLimits};
-use crate::storage::{ArtifactStore, Deployment, OwnershipError};
+use crate::storage::{ArtifactStore, Deployment, MARKER, OwnershipError};
 use crate::tenants::Registry;
 use crate::webhooks::{self, Deliverer};
 
@@ -267,11 +267,27 @@ pub async fn follow_shares(membership: Membership, api: Option<Arc<RateLimits>>,
 
 /// Makes sure the artifact store is this deployment's (or makes it so, when it has no owner
 /// yet). A store that does not answer is checked again by every cleaner pass, which sweeps
-/// nothing until it is.
+/// nothing until it is. A store claimed just now, by a database that has published exports,
+/// cannot hold their files: most likely the process points at another directory or bucket than
+/// the one the exports were written to, and it says so before their downloads answer 410.
 async fn claim_store(store: &ArtifactStore, pool: &PgPool) -> anyhow::Result<()> {
     let us = Deployment::of(pool).await.context("reading the deployment's identity")?;
     match store.claim(&us).await {
-        Ok(()) => Ok(()),
+        Ok(false) => Ok(()),
+        Ok(true) => {
+            let published = crate::exports::store::facts::published_with_files(pool).await?;
+            if published > 0 {
+                tracing::error!(
+                    store = store.describe(),
+                    published,
+                    "this store had no owner, yet the database has {published} published exports whose files \
+                     should be in it: exportd is probably pointed at the wrong directory or bucket \
+                     (EXPORTD_DATA_DIR, EXPORTD_STORAGE); their downloads answer 410 files-missing until it points \
+                     at the store they were written to (the one whose {MARKER} names this database)",
+                );
+            }
+            Ok(())
+        }
         Err(OwnershipError::Store(e)) if e.is_transient() => {
             tracing::warn!(store = store.describe(), error = %e, "cannot check who owns the artifact store yet");
             Ok(())

@@ -23,7 +23,7 @@ use sqlx::PgPool;
 
 pub use bucket::{BucketConfig, BucketUrl, Credentials, Provider};
 pub use error::{RemoteReason, StoreError, StoreResult, find as find_store_error};
-pub use ownership::{Deployment, OwnershipError};
+pub use ownership::{Deployment, MARKER, OwnershipError};
 pub use remote::{Remote, RemoteWriter};
 
 use local::{LocalDir, LocalWriter};

@@ -66,11 +66,13 @@ pub enum OwnershipError {
 }
 
 impl ArtifactStore {
-    /// Records `us` as the store's owner if it has none, and checks that it is `us` otherwise.
-    /// Two deployments claiming a new store at the same instant: both read the marker back
-    /// after writing, so the one whose write lost refuses.
-    pub async fn claim(&self, us: &Deployment) -> Result<(), OwnershipError> {
+    /// Records `us` as the store's owner if it has none, and checks that it is `us` otherwise;
+    /// `true` when this call claimed it (it had no owner). Two deployments claiming a new store at
+    /// the same instant: both read the marker back after writing, so the one whose write lost
+    /// refuses.
+    pub async fn claim(&self, us: &Deployment) -> Result<bool, OwnershipError> {
         let key = ObjectKey::parse(MARKER).expect("a valid key");
+        let mut claimed = false;
         let recorded = match self.get_small(&key).await? {
             Some(bytes) => bytes,
             None => {
@@ -78,6 +80,7 @@ impl ArtifactStore {
                 let json = serde_json::to_vec_pretty(&marker).expect("the marker serializes");
                 if self.create_small(&key, json).await? {
                     tracing::info!(store = self.describe(), deployment = %us.id, "claimed the artifact store");
+                    claimed = true;
                 }
                 self.get_small(&key).await?.ok_or_else(|| StoreError::Missing(MARKER.into()))?
             }
@@ -85,7 +88,7 @@ impl ArtifactStore {
         let marker: Marker = serde_json::from_slice(&recorded)
             .map_err(|e| OwnershipError::Unreadable { store: self.describe(), reason: e.to_string() })?;
         if marker.owner.id == us.id {
-            Ok(())
+            Ok(claimed)
         } else {
             Err(OwnershipError::Foreign { store: self.describe(), owner: marker.owner, ours: us.clone() })
         }

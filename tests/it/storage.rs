@@ -516,3 +516,24 @@ async fn a_store_that_refuses_the_credentials_stops_start_up_saying_what_to_chec
     assert!(message.contains("no credentials") && message.contains("AWS_ACCESS_KEY_ID"), "{message}");
     assert!(!message.contains("169.254"), "{message}");
 }
+
+/// A process pointed at an empty, unclaimed directory while its database has published exports
+/// (the README's follow-up commands run with another EXPORTD_DATA_DIR than the tour's) says it
+/// is probably pointed at the wrong directory; one pointed at the right store says nothing.
+#[sqlx::test(migrations = "./migrations")]
+async fn a_process_on_an_empty_store_of_a_database_with_exports_names_the_likely_mistake(pool: PgPool) {
+    let app = TestApp::spawn_on(pool, Backend::Local).await;
+    published(&app, 30).await;
+    let url = crate::common::processes::database_url(&app.pool).await;
+    let run = |dir: &std::path::Path, log: &std::path::Path| {
+        let mut worker = crate::common::processes::worker_command(&url, dir, log, 1, "5s");
+        assert!(worker.arg("--exit-when-idle").status().unwrap().success());
+        std::fs::read_to_string(log).unwrap()
+    };
+    let (wrong, logs) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let log = run(wrong.path(), &logs.path().join("wrong.log"));
+    assert!(log.contains("probably pointed at the wrong directory"), "{log}");
+    assert!(log.contains("1 published exports"), "{log}");
+    let log = run(app.data_dir.path(), &logs.path().join("right.log"));
+    assert!(!log.contains("wrong directory"), "{log}");
+}

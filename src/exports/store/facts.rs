@@ -49,6 +49,15 @@ pub async fn stored_bytes(db: impl PgExecutor<'_>, tenant: &str) -> sqlx::Result
     .await
 }
 
+/// Published exports, of every tenant, whose files should be in the store.
+pub async fn published_with_files(pool: &PgPool) -> sqlx::Result<i64> {
+    sqlx::query_scalar!(
+        r#"SELECT count(*) AS "count!" FROM export_jobs WHERE state = 'SUCCEEDED' AND files_deleted_at IS NULL"#
+    )
+    .fetch_one(pool)
+    .await
+}
+
 /// Rows of the tenant's exports published (and finished) since `since`.
 pub async fn rows_published_since(pool: &PgPool, tenant: &str, since: OffsetDateTime) -> sqlx::Result<i64> {
     sqlx::query_scalar!(
