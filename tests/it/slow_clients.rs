@@ -124,15 +124,18 @@ async fn bodies_that_drip_hold_no_request_slot(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
     let base = app.sibling(acme_with_carol()).await;
     let address = base.trim_start_matches("http://").to_owned();
-    let partner = app.token("acme", "zenpartner");
-    // 8 ingest requests of one partner (the tenant's 8 slots) whose bodies never finish.
+    // 8 ingest requests whose bodies never finish, 4 from each of two partners: were a dripping
+    // body to hold a request slot, they would hold all 8 of the tenant's (each partner its
+    // share, half of them) and every other request would be refused.
     let mut dripping = Vec::new();
-    for _ in 0..8 {
-        dripping.push(dripping_post(&address, "/v1/datasets/tickets/records", &partner).await);
+    for partner in ["zenpartner", "prism"] {
+        for _ in 0..4 {
+            dripping.push(dripping_post(&address, "/v1/datasets/tickets/records", &token(partner)).await);
+        }
     }
-    // Every other principal of the tenant is served all along.
+    // Every principal of the tenant, the dripping ones too, is served all along.
     for round in 0..20 {
-        for who in ["alice", "carol"] {
+        for who in ["alice", "carol", "zenpartner", "prism"] {
             let response = app.client.get(format!("{base}/v1/datasets")).bearer_auth(token(who)).send();
             assert_eq!(response.await.unwrap().status(), 200, "{who}, round {round}");
         }

@@ -250,8 +250,32 @@ async fn truncated_or_extended_shard_files_are_rewritten_on_rerun(app: TestApp) 
     assert_eq!(resumed.step().await.unwrap(), Step::ShardWritten { index: 2, rows: 30, last: true });
     assert_eq!(resumed.step().await.unwrap(), Step::Published);
     assert_eq!(app.own_shard_files(&id).await[..2], original[..]);
-    let first_generation = ObjectKey::parse(&format!("acme/{id}/g1")).unwrap();
-    assert_eq!(app.store.list(Some(&first_generation)).await.unwrap(), vec![], "the corrupt files were removed");
+    // The corrupt files were of the first attempts: once the cleaner has run, the export's
+    // directory holds exactly the files its checkpoints name.
+    exportd::cleaner::run_once(&app.pool, &app.store, &app.registry, app.clock.now()).await.unwrap();
+    for corrupt in ["s0-a1/shard-00000", "s1-a1/shard-00001"] {
+        let key = ObjectKey::parse(&format!("acme/{id}/{corrupt}.csv.gz")).unwrap();
+        assert_eq!(read_object(&app.store, &key).await, None, "{corrupt} was removed");
+    }
+    let mut named: Vec<String> =
+        sqlx::query_scalar("SELECT object_key FROM export_shards WHERE export_id = $1::uuid ORDER BY object_key")
+            .bind(&id)
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    named.sort();
+    let prefix = ObjectKey::parse(&format!("acme/{id}")).unwrap();
+    let mut stored: Vec<String> = app
+        .store
+        .list(Some(&prefix))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| o.key.as_str().to_owned())
+        .filter(|key| key.ends_with(".csv.gz"))
+        .collect();
+    stored.sort();
+    assert_eq!(stored, named);
 }
 
 async fn revoke_expiry_and_the_cleaner_delete_through_the_store(app: TestApp) {
@@ -321,12 +345,15 @@ async fn revoke_expiry_and_the_cleaner_delete_through_the_store(app: TestApp) {
         .unwrap();
     assert_eq!(reclaimed as u64, report.bytes("expired"));
 
-    // Two cleaners at once: one runs, the other steps aside.
-    let (a, b) = tokio::join!(
-        exportd::cleaner::run_once(&app.pool, store, &app.registry, app.clock.now()),
-        exportd::cleaner::run_once(&app.pool, store, &app.registry, app.clock.now())
-    );
-    assert!(a.is_ok() && b.is_ok());
+    // Two cleaners at once: while one holds the cleaner's lock (`cleaner::CLEANER_LOCK`, held
+    // here by hand), the other steps aside; once it is free, the next one runs.
+    let mut running = app.pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock(x'6578706f7274636c'::bigint)").execute(&mut *running).await.unwrap();
+    let aside = exportd::cleaner::run_once(&app.pool, store, &app.registry, app.clock.now()).await.unwrap();
+    assert!(!aside.ran, "a second cleaner steps aside");
+    sqlx::query("SELECT pg_advisory_unlock(x'6578706f7274636c'::bigint)").execute(&mut *running).await.unwrap();
+    let next = exportd::cleaner::run_once(&app.pool, store, &app.registry, app.clock.now()).await.unwrap();
+    assert!(next.ran, "the lock is free again");
 }
 
 /// A writer that dies mid-upload (no abort, no completion) leaves a multipart upload: nothing
