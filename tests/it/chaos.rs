@@ -26,6 +26,8 @@ struct Campaign {
     /// Longest pause between two faults; each pause is random up to this.
     max_pause: Duration,
     lease_ttl: &'static str,
+    /// Seeds the kill schedule (pauses, victims): printed, and replayed with `CHAOS_SEED`.
+    seed: u64,
 }
 
 impl Campaign {
@@ -40,6 +42,7 @@ impl Campaign {
             shard_rows: var("CHAOS_SHARD_ROWS", u64::from(defaults.shard_rows)) as u32,
             max_pause: Duration::from_millis(var("CHAOS_MAX_PAUSE_MS", defaults.max_pause.as_millis() as u64)),
             lease_ttl: defaults.lease_ttl,
+            seed: var("CHAOS_SEED", defaults.seed),
         }
     }
 }
@@ -54,6 +57,7 @@ async fn a_short_fault_campaign_loses_nothing(pool: PgPool) {
         shard_rows: 400,
         max_pause: Duration::from_millis(1500),
         lease_ttl: "3s",
+        seed: any_seed(),
     };
     run(pool, campaign).await;
 }
@@ -69,16 +73,20 @@ async fn the_full_fault_campaign_loses_nothing(pool: PgPool) {
         shard_rows: 2_000,
         max_pause: Duration::from_millis(5000),
         lease_ttl: "5s",
+        seed: any_seed(),
     };
     run(pool, Campaign::from_env(defaults)).await;
 }
 
-/// Random numbers for the campaign (nothing here needs more than v4 UUIDs' randomness).
-fn random_below(n: u64) -> u64 {
-    (uuid::Uuid::new_v4().as_u128() % u128::from(n.max(1))) as u64
+/// A fresh seed for a campaign that is not replaying one.
+fn any_seed() -> u64 {
+    uuid::Uuid::new_v4().as_u64_pair().0
 }
 
 async fn run(pool: PgPool, campaign: Campaign) {
+    use rand::{Rng, SeedableRng};
+    println!("fault campaign: seed {} (CHAOS_SEED={0} replays its kill schedule)", campaign.seed);
+    let mut schedule = rand::rngs::StdRng::seed_from_u64(campaign.seed);
     let app = TestApp::spawn(pool).await;
     app.seed("acme", "tickets", campaign.rows).await;
     let admin = app.token("acme", "alice");
@@ -116,9 +124,12 @@ async fn run(pool: PgPool, campaign: Campaign) {
         while in_flight(&app.pool).await < 2 * campaign.processes as i64 {
             exports.push(create_export(&app, &admin, &request).await);
         }
-        tokio::time::sleep(Duration::from_millis(random_below(campaign.max_pause.as_millis() as u64) + 1)).await;
+        tokio::time::sleep(Duration::from_millis(
+            schedule.random_range(0..campaign.max_pause.as_millis() as u64 + 1) + 1,
+        ))
+        .await;
         unprompted_exits += exited_by_themselves(&mut workers);
-        let victim = random_below(workers.len() as u64) as usize;
+        let victim = schedule.random_range(0..workers.len());
         workers[victim].kill().unwrap(); // SIGKILL
         workers[victim].wait().unwrap();
         workers[victim] = spawn();

@@ -357,7 +357,7 @@ async fn a_masked_partners_schema_hashes_cover_only_what_it_is_served(pool: PgPo
     let (lens, alice) = (as_("lens"), as_("alice"));
     // What a partner can recompute from the document alone: compact JSON, keys sorted.
     let seen_hash = |columns: &Value| {
-        exportd::writers::sha256_hex(&serde_json::to_vec(&json!({"dataset": "contacts", "columns": columns})).unwrap())
+        crate::common::sha256_hex(&serde_json::to_vec(&json!({"dataset": "contacts", "columns": columns})).unwrap())
     };
     let schema: Value = lens.get("/v1/datasets/contacts/schema").await.json().await.unwrap();
     let admins: Value = alice.get("/v1/datasets/contacts/schema").await.json().await.unwrap();

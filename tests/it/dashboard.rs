@@ -126,7 +126,11 @@ async fn the_dashboard_shows_the_usage_api_its_history_partners_and_an_export(po
     .execute(&app.pool)
     .await
     .unwrap();
-    while !exportd::usage::history::record(&app.pool, &["acme"]).await.unwrap() {}
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !exportd::usage::history::record(&app.pool, &["acme"]).await.unwrap() {
+        assert!(std::time::Instant::now() < deadline, "the usage history was never recorded");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     // zenpartner last read the feed three days ago (over acme's lagging threshold); nobody else pulled.
     sqlx::query(
         "INSERT INTO feed_positions (tenant, principal, dataset, position_at, last_read_at)

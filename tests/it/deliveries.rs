@@ -196,7 +196,7 @@ async fn delivered(bucket: &Remote, folder: &str) -> (Value, Vec<Value>) {
     let mut rows = Vec::new();
     for shard in manifest["shards"].as_array().unwrap() {
         let bytes = read(bucket, &format!("{folder}/{}", shard["name"].as_str().unwrap())).await;
-        assert_eq!(exportd::writers::sha256_hex(&bytes), shard["sha256"].as_str().unwrap(), "the manifest's sha256");
+        assert_eq!(crate::common::sha256_hex(&bytes), shard["sha256"].as_str().unwrap(), "the manifest's sha256");
         for line in String::from_utf8(gunzip(&bytes)).unwrap().lines() {
             rows.push(serde_json::from_str(line).unwrap());
         }

@@ -1,14 +1,10 @@
 //! Downloads over a real TCP port: links, ranges, revoke, retention, the cleaner, audit.
 
+use crate::common::sha256_hex as sha256;
 use crate::common::{TestApp, gunzip, problem};
 use exportd::jobs::Step;
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 use sqlx::PgPool;
-
-fn sha256(bytes: &[u8]) -> String {
-    hex::encode(Sha256::digest(bytes))
-}
 
 /// A published multi-shard CSV export of 230 acme tickets by `principal`: (id, status, manifest).
 async fn published(app: &TestApp, principal: &str) -> (String, Value, Value) {

@@ -107,7 +107,7 @@ async fn status_and_manifest_describe_the_published_export(pool: PgPool) {
     assert_eq!(response.status(), 200);
     let etag = response.headers()["etag"].to_str().unwrap().to_owned();
     let bytes = response.bytes().await.unwrap();
-    assert_eq!(etag, format!("\"{}\"", exportd::writers::sha256_hex(&bytes)));
+    assert_eq!(etag, format!("\"{}\"", crate::common::sha256_hex(&bytes)));
     let manifest: Value = serde_json::from_slice(&bytes).unwrap();
     assert_eq!(manifest["total_rows"], 120);
     assert_eq!(manifest["format"], "csv");
@@ -120,7 +120,7 @@ async fn status_and_manifest_describe_the_published_export(pool: PgPool) {
     assert_eq!(shards[2]["last_key"], "tickets-000000119");
     let files = app.own_shard_files(&id).await;
     for (shard, file) in shards.iter().zip(&files) {
-        assert_eq!(shard["sha256"], exportd::writers::sha256_hex(file));
+        assert_eq!(shard["sha256"], crate::common::sha256_hex(file));
         assert_eq!(shard["bytes"], file.len());
     }
     let again = app

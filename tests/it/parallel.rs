@@ -118,7 +118,7 @@ async fn an_idle_worker_writes_shards_of_a_running_export_with_identical_bytes(p
     let file = app.get(Some(&admin), &format!("/v1/exports/{id}/file")).await;
     assert_eq!(file.status(), 200);
     let bytes = file.bytes().await.unwrap();
-    assert_eq!(Value::from(exportd::writers::sha256_hex(&bytes)), reference["file"]["sha256"]);
+    assert_eq!(Value::from(crate::common::sha256_hex(&bytes)), reference["file"]["sha256"]);
     let plan_rows: i64 =
         sqlx::query_scalar("SELECT count(*) FROM export_shard_plan").fetch_one(&app.pool).await.unwrap();
     assert_eq!(plan_rows, 0, "publishing removes the plan");

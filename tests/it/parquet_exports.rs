@@ -8,18 +8,14 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::common::processes::{self, spawn_worker, wait_terminal};
+use crate::common::sha256_hex as sha256;
 use crate::common::{Backend, TestApp, gunzip, problem};
 use arrow_array::Array;
 use arrow_array::cast::AsArray;
 use exportd::jobs::Step;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 use sqlx::PgPool;
-
-fn sha256(bytes: &[u8]) -> String {
-    hex::encode(Sha256::digest(bytes))
-}
 
 /// Every column type at its edges: NULLs, empty and non-BMP strings, formula-like text, the
 /// extreme integers, exact decimals, timestamps at both ends of the range and with offsets,

@@ -96,6 +96,9 @@ async fn a_partners_estimates_never_take_the_admins_turn(pool: PgPool) {
     assert_eq!(problem(refused).await["code"], "estimate-in-progress");
     let (client, url, held) = (app.client.clone(), app.url("/v1/exports/estimate"), body.clone());
     let admins = tokio::spawn(async move { client.post(url).bearer_auth(admin).json(&held).send().await.unwrap() });
+    // The admin's census is admitted and waits on the table too (refused, it would never get
+    // there) before the lock is released.
+    crate::common::wait_for_lock_waiters(&app.pool, "record_versions", 2).await;
     blocker.rollback().await.unwrap();
     assert_eq!(admins.await.unwrap().status(), 200, "the admin's estimate was admitted while the partner's ran");
     assert_eq!(partners.await.unwrap().status(), 200);

@@ -155,7 +155,10 @@ async fn downloads_past_the_daily_egress_quota_get_429_until_midnight(pool: PgPo
     app.drain().await;
     let path = format!("/v1/exports/{id}/file");
     let mut served = 0u64;
+    let mut attempts = 0;
     let refused = loop {
+        attempts += 1;
+        assert!(attempts <= 1000, "never refused");
         let response = app.get(Some(&admin), &path).await;
         if response.status() == 429 {
             break response;

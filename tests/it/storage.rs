@@ -4,16 +4,12 @@
 //! storage has: abandoned multipart uploads and a store outage in the middle of an export.
 
 use crate::common::proxy::OutageProxy;
+use crate::common::sha256_hex as sha256;
 use crate::common::{Backend, TestApp, csv_rows, expire_lease, full_csv, problem, put_object, read_object};
 use exportd::jobs::{ClaimedExport, Step, WorkerConfig};
 use exportd::storage::{ObjectKey, StorageLocation};
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 use sqlx::PgPool;
-
-fn sha256(bytes: &[u8]) -> String {
-    hex::encode(Sha256::digest(bytes))
-}
 
 /// Each scenario, once per backend: `local::name` and `s3::name`.
 macro_rules! on_both_backends {

@@ -466,6 +466,13 @@ pub async fn wait_until_blocking(pool: &PgPool, holder: i32, count: i64) {
 }
 
 /// gunzip (all members).
+/// The sha256 of `bytes` in hex, computed here (not with exportd's own helper) so that a check
+/// against the server's digests is independent of the code that made them.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))
+}
+
 pub fn gunzip(bytes: &[u8]) -> Vec<u8> {
     use std::io::Read;
     let mut out = Vec::new();
