@@ -183,6 +183,7 @@ fn encoded_size(
         exportd_version: crate::VERSION,
         columns: &spec.columns,
         column_policy: spec.column_policy.as_deref(),
+        hashed_key_order: spec.hashed_key_order,
     };
     let shard_spec = super::shard_spec(spec.format, spec.format.spec().codec, &facts, hasher);
     let write = |records: &[Record]| -> ShardDigest {

@@ -99,17 +99,21 @@ pub struct FileFacts<'a> {
     pub columns: &'a [OutputColumn],
     /// The fingerprint of the partner's column policy, if it has one.
     pub column_policy: Option<&'a str>,
+    /// Rows come in the order of the partner's hashed keys (see [`crate::records::KeyOrder`]).
+    pub hashed_key_order: bool,
 }
 
 /// What every shard of an export of `format` and `codec` is written as: its columns, whether
-/// rows come in key order (full exports, unless the keys are hashed), the files' metadata and
-/// the partner's hash key (`hash` rules).
+/// rows come in the order of the key column as written (full exports: the key's order, or the
+/// hashed key's where the partner's keys are hashed), the files' metadata and the partner's
+/// hash key (`hash` rules).
 pub fn shard_spec(format: Format, codec: Codec, facts: &FileFacts<'_>, hasher: Option<&ColumnHasher>) -> ShardSpec {
     ShardSpec {
         format,
         codec,
         columns: facts.columns.to_vec(),
-        sorted_by_key: facts.mode == Mode::Full && facts.columns.first().is_some_and(|key| key.masked.is_none()),
+        sorted_by_key: facts.mode == Mode::Full
+            && (facts.hashed_key_order || facts.columns.first().is_some_and(|key| key.masked.is_none())),
         metadata: file_metadata(facts),
         hasher: hasher.cloned(),
     }

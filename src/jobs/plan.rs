@@ -54,6 +54,7 @@ impl Plan {
             exportd_version: &job.exportd_version,
             columns: &columns,
             column_policy: job.column_policy.as_deref(),
+            hashed_key_order: job.hashed_key_order,
         };
         let policy = column_policy(deps, job);
         let shard_spec = shard_spec(job.format, job.codec, &facts, policy.and_then(ColumnPolicy::hasher));

@@ -196,14 +196,17 @@ async fn masked_partners_never_receive_canaries_and_hash_with_their_own_key(pool
     assert_eq!(three["lifetime_value"], Value::Null);
     assert!(three.get("phone").is_none());
 
-    // Parquet: hashed columns are text, the key is not declared a sorting column (hashes do
-    // not sort like keys), the null column is nullable and null.
+    // Parquet: hashed columns are text, the (hashed) key is the declared sorting column — rows
+    // come in hashed-key order — the null column is nullable and null.
     let (_, parquet) = lens.export(&pool, json!({"dataset": "contacts", "format": "parquet"}), true).await;
     let mut parquet_rows = 0;
     for file in parquet {
         let builder = ParquetRecordBatchReaderBuilder::try_new(bytes::Bytes::from(file)).unwrap();
         let row_groups = builder.metadata().row_groups().to_vec();
-        assert!(row_groups.iter().all(|g| g.sorting_columns().is_none()), "hashed keys are not sorted");
+        assert!(
+            row_groups.iter().all(|g| g.sorting_columns().is_some_and(|s| s.len() == 1 && s[0].column_idx == 0)),
+            "rows sorted by the hashed key"
+        );
         for batch in builder.build().unwrap() {
             let batch = batch.unwrap();
             let schema = batch.schema();
@@ -211,6 +214,7 @@ async fn masked_partners_never_receive_canaries_and_hash_with_their_own_key(pool
             assert_eq!(columns, ["id", "name", "email", "region", "lifetime_value", "created_at"]);
             let ids = batch.column(0).as_string::<i32>();
             let emails = batch.column(2).as_string::<i32>();
+            assert!((1..batch.num_rows()).all(|row| ids.value(row - 1) < ids.value(row)), "sorted by hashed key");
             for row in 0..batch.num_rows() {
                 let i = (0..ROWS).find(|i| hashed("lens", &key(*i)) == ids.value(row)).expect("a hashed key");
                 assert_eq!(emails.value(row), hashed("lens", &email(i)));
