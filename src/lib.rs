@@ -14,6 +14,7 @@ pub mod db;
 pub mod delivery;
 pub mod exports;
 pub mod feeds;
+pub mod history;
 pub mod http;
 pub mod jobs;
 pub mod links;

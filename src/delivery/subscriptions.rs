@@ -90,11 +90,11 @@ pub async fn schedule(courier: &Courier) -> anyhow::Result<()> {
     if due.is_empty() {
         return Ok(());
     }
-    let cluster = crate::feeds::system_identifier(&courier.pool).await?;
+    let database = crate::history::Database::identify(&courier.pool).await?;
     for s in due {
         let every = f64::from(s.every_seconds.unwrap_or(60));
         let run = Run { id: s.id, tenant: &s.tenant, principal: &s.principal, dataset: &s.dataset, format: &s.format };
-        let created = run.create(courier, &cluster, s.cursor.as_deref(), s.runs).await;
+        let created = run.create(courier, &database, s.cursor.as_deref(), s.runs).await;
         match created {
             Ok(export) => {
                 sqlx::query!(
@@ -148,7 +148,13 @@ struct Refusal {
 }
 
 impl Run<'_> {
-    async fn create(&self, courier: &Courier, cluster: &str, cursor: Option<&str>, run: i64) -> Result<Uuid, Refusal> {
+    async fn create(
+        &self,
+        courier: &Courier,
+        database: &crate::history::Database,
+        cursor: Option<&str>,
+        run: i64,
+    ) -> Result<Uuid, Refusal> {
         let refused = |error: String| Refusal { error, restart_chain: false };
         let tenant = courier.registry.get(self.tenant).ok_or_else(|| refused("the tenant is gone".into()))?;
         let principal = tenant
@@ -168,7 +174,7 @@ impl Run<'_> {
             since: cursor.map(str::to_owned),
         };
         let key = IdempotencyKey::of_subscription_run(self.id, run);
-        let feed = FeedContext { keys: &courier.keys, cluster, now: courier.clock.now() };
+        let feed = FeedContext { keys: &courier.keys, database, now: courier.clock.now() };
         match exports::create_for(&courier.pool, &caller, &key, &request, &feed, Some(self.id)).await {
             Ok(created) => Ok(created.job.id),
             // The run's export exists, made for another request: the process that created it
@@ -179,9 +185,11 @@ impl Run<'_> {
                     .map_err(|e| refused(e.to_string()))?;
                 existing.map(|job| job.id).ok_or_else(|| refused("the run's export vanished".into()))
             }
-            Err(e @ (ExportError::InvalidCursor { .. } | ExportError::CursorExpired(_))) => {
-                Err(Refusal { error: format!("{e}; the chain starts again with a full export"), restart_chain: true })
-            }
+            Err(
+                e @ (ExportError::InvalidCursor { .. }
+                | ExportError::CursorExpired(_)
+                | ExportError::CursorHistory(crate::feeds::CursorError::LostInFailover { .. })),
+            ) => Err(Refusal { error: format!("{e}; the chain starts again with a full export"), restart_chain: true }),
             Err(e) => Err(refused(e.to_string())),
         }
     }

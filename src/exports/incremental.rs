@@ -6,12 +6,13 @@ use time::OffsetDateTime;
 use super::{ExportError, ExportSpec};
 use crate::auth::Caller;
 use crate::feeds::{self, Cursor, CursorError, CursorOwner};
+use crate::history::Database;
 use crate::links::LinkKeys;
 
 /// What creating an incremental export needs to read and sign cursors.
 pub struct FeedContext<'a> {
     pub keys: &'a LinkKeys,
-    pub cluster: &'a str,
+    pub database: &'a Database,
     pub now: OffsetDateTime,
 }
 
@@ -62,16 +63,17 @@ pub async fn start(
         tenant,
         principal,
         dataset,
-        cluster: feed.cluster,
+        database: feed.database,
         row_filter: &row_filter,
         column_policy,
         hashed_positions,
     };
-    let cursor = Cursor::decode(feed.keys, &text, &owner, oldest).map_err(|e| match e {
+    let cursor = Cursor::open(pool, feed.keys, &text, &owner, oldest, feed.now).await?.map_err(|e| match e {
         CursorError::Invalid | CursorError::UnknownKey(_) => {
             ExportError::InvalidCursor { field: "since", detail: format!("{field}: {e}") }
         }
         CursorError::Expired => ExportError::CursorExpired(e.to_string()),
+        CursorError::LostInFailover { .. } | CursorError::HistoryUnreadable(_) => ExportError::CursorHistory(e),
     })?;
     let until_tick =
         feeds::newest_sealed_tick(pool, feed.now, caller.tenant.feeds.safety_delay_seconds).await?.unwrap_or(0);

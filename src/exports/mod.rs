@@ -51,6 +51,9 @@ pub enum ExportError {
     InvalidCursor { field: &'static str, detail: String },
     #[error("{0}")]
     CursorExpired(String),
+    /// The start cursor's history was lost in a failover, or cannot be checked.
+    #[error(transparent)]
+    CursorHistory(crate::feeds::CursorError),
     #[error(transparent)]
     Rejected(#[from] crate::quota::Rejection),
     #[error("an incremental export of this dataset is already queued or running for this principal")]
@@ -123,6 +126,9 @@ pub struct ExportJob {
     pub request_sha256: String,
     pub state: ExportState,
     pub watermark: String,
+    /// Where in the database's history the watermark was taken.
+    pub watermark_timeline: i32,
+    pub watermark_wal_position: i64,
     pub columns: Value,
     pub filter: Value,
     pub row_filter: Value,

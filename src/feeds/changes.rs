@@ -9,6 +9,7 @@ use time::OffsetDateTime;
 
 use super::cursor::Cursor;
 use super::window::{Seal, Window, next_window, window_by_id};
+use crate::history::HistoryPoint;
 use crate::records::KeyOrder;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -113,6 +114,7 @@ pub async fn page(
             return Ok(ChangePage { changes: filling.items, next: position, end_of_stream: false });
         }
         position.from = window.to_snapshot.clone();
+        position.at = Some(window.to_point());
         position.after = None;
         position.ts = window.to_created_at.unix_timestamp();
     }
@@ -322,18 +324,18 @@ pub async fn chain_page(
     Ok((filling.items, last, true))
 }
 
-/// Where a chain from `from` ends once it reaches tick `until`: the snapshot (and its time) the
-/// next read continues from. `None` when no window was cut from `from`.
+/// Where a chain from `from` ends once it reaches tick `until`: the snapshot (its history point
+/// and time) the next read continues from. `None` when no window was cut from `from`.
 pub async fn chain_end(
     pool: &PgPool,
     feed: &Feed<'_>,
     from: &str,
     until: i64,
-) -> sqlx::Result<Option<(String, OffsetDateTime)>> {
+) -> sqlx::Result<Option<(String, HistoryPoint, OffsetDateTime)>> {
     let mut end = None;
     let mut at = from.to_owned();
     while let Some(w) = next_window(pool, feed.tenant, feed.dataset, &at, feed.seal).await? {
-        end = Some((w.to_snapshot.clone(), w.to_created_at));
+        end = Some((w.to_snapshot.clone(), w.to_point(), w.to_created_at));
         if w.to_tick >= until {
             break;
         }

@@ -1,11 +1,14 @@
 //! Feed cursors: opaque, versioned, tamper-evident positions, sealed (AES-SIV) with a server key
-//! (the link keys) and bound to tenant, principal, dataset and database cluster. A position only
-//! ever names keys the cursor's principal was given, never one outside its row filter.
+//! (the link keys) and bound to tenant, principal, dataset and database cluster, and to the point
+//! of the database's history their snapshot was taken at (a failover may lose that history).
+//! A position only ever names keys the cursor's principal was given, never one outside its row
+//! filter.
 
 use jsonwebtoken::{Algorithm, Validation};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
+use crate::history::{self, Database, Fate, HistoryPoint};
 use crate::links::LinkKeys;
 
 const AUDIENCE: &str = "exportd-cursor";
@@ -26,6 +29,10 @@ pub struct Cursor {
     pub cluster: String,
     /// The snapshot the next window starts at.
     pub from: String,
+    /// Where in the database's history `from` was taken (cursors from before that was recorded
+    /// carry none, and stand at the deployment's origin point).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<HistoryPoint>,
     /// Inside that window: the last key already delivered.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub after: Option<String>,
@@ -51,7 +58,8 @@ pub struct CursorOwner<'a> {
     pub tenant: &'a str,
     pub principal: &'a str,
     pub dataset: &'a str,
-    pub cluster: &'a str,
+    /// The database now: its cluster, timeline and origin point.
+    pub database: &'a Database,
     /// The principal's row filter as JSON (`{}` for none).
     pub row_filter: &'a serde_json::Value,
     /// The fingerprint of the principal's column policy for the dataset, if it has one.
@@ -79,19 +87,26 @@ pub enum CursorError {
         "the cursor is older than the tenant's tombstone window, from another database, or from before the principal's row filter or column policy changed; run a full export and continue from its next_cursor"
     )]
     Expired,
+    #[error(
+        "the database lost part of the history this cursor has seen, in a failover to a standby that never received it or a restore (timeline {timeline} {ended}): changes delivered from it no longer exist, and later ones may reuse their transaction ids. Run a full export and continue from its next_cursor"
+    )]
+    LostInFailover { timeline: i32, ended: String },
+    #[error("the database failed over and its timeline history cannot be read to check this cursor: {0}")]
+    HistoryUnreadable(String),
 }
 
 impl Cursor {
-    /// A cursor of `owner` at snapshot `from`, taken at `ts`.
-    pub fn new(owner: &CursorOwner<'_>, from: &str, ts: i64) -> Cursor {
+    /// A cursor of `owner` at snapshot `from`, taken at history point `at` and time `ts`.
+    pub fn new(owner: &CursorOwner<'_>, from: &str, at: HistoryPoint, ts: i64) -> Cursor {
         Cursor {
             v: VERSION,
             aud: AUDIENCE.to_owned(),
             tenant: owner.tenant.to_owned(),
             sub: owner.principal.to_owned(),
             dataset: owner.dataset.to_owned(),
-            cluster: owner.cluster.to_owned(),
+            cluster: owner.database.system_identifier.clone(),
             from: from.to_owned(),
+            at: Some(at),
             after: None,
             ts,
             rf: Some(owner.row_filter_fingerprint()),
@@ -138,11 +153,74 @@ impl Cursor {
         };
         let policy_changed = cursor.cp.as_deref() != owner.column_policy
             || (cursor.after.is_some() && cursor.hk != owner.hashed_positions);
-        if cursor.cluster != owner.cluster || cursor.ts < oldest_ts || filter_changed || policy_changed {
+        if cursor.cluster != owner.database.system_identifier
+            || cursor.ts < oldest_ts
+            || filter_changed
+            || policy_changed
+        {
             return Err(CursorError::Expired);
         }
-        Ok(Cursor { v: VERSION, rf: Some(fingerprint), hk: owner.hashed_positions, ..cursor })
+        let at = Some(cursor.at.unwrap_or(owner.database.origin));
+        Ok(Cursor { v: VERSION, rf: Some(fingerprint), hk: owner.hashed_positions, at, ..cursor })
     }
+
+    /// [`Cursor::decode`], then whether its position is still part of the database's history;
+    /// a principal's first refusal after a failover raises `feed.history_lost`.
+    pub async fn open(
+        pool: &PgPool,
+        keys: &LinkKeys,
+        text: &str,
+        owner: &CursorOwner<'_>,
+        oldest_ts: i64,
+        now: time::OffsetDateTime,
+    ) -> sqlx::Result<Result<Cursor, CursorError>> {
+        let cursor = match Cursor::decode(keys, text, owner, oldest_ts) {
+            Ok(cursor) => cursor,
+            Err(e) => return Ok(Err(e)),
+        };
+        let point = cursor.at.unwrap_or(owner.database.origin);
+        Ok(match history::fate(pool, owner.database, point).await? {
+            Fate::Kept => Ok(cursor),
+            Fate::Lost { timeline, ended_at } => {
+                record_refusal(pool, owner, now).await?;
+                let ended = match ended_at {
+                    Some(end) => format!("ended at {} before the cursor's position", history::format_lsn(end)),
+                    None if timeline == owner.database.timeline => {
+                        "was restored to before the cursor's position".into()
+                    }
+                    None => format!("is not an ancestor of the current timeline {}", owner.database.timeline),
+                };
+                Err(CursorError::LostInFailover { timeline, ended })
+            }
+            Fate::Unknown(reason) => Err(CursorError::HistoryUnreadable(reason)),
+        })
+    }
+}
+
+/// Counts a refusal of `owner`'s position on the current timeline; the first raises the
+/// tenant's `feed.history_lost` event (same statement: one event per principal, dataset and
+/// failover).
+async fn record_refusal(pool: &PgPool, owner: &CursorOwner<'_>, now: time::OffsetDateTime) -> sqlx::Result<()> {
+    sqlx::query!(
+        "WITH counted AS (
+             INSERT INTO failover_refusals (tenant, principal, dataset, timeline, first_at, last_at)
+             VALUES ($1, $2, $3, $4, $5, $5)
+             ON CONFLICT ON CONSTRAINT failover_refusals_pkey DO UPDATE
+                 SET refusals = failover_refusals.refusals + 1, last_at = EXCLUDED.last_at
+             RETURNING refusals)
+         INSERT INTO webhook_events (tenant, type, principal, dataset, data)
+         SELECT $1, 'feed.history_lost', $2, $3,
+                jsonb_build_object('principal', $2::text, 'dataset', $3::text, 'timeline', $4::int)
+           FROM counted WHERE refusals = 1",
+        owner.tenant,
+        owner.principal,
+        owner.dataset,
+        owner.database.timeline,
+        now,
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
 }
 
 /// What a kid may look like in a message: short visible ASCII (anything else is garbage, not a key).
@@ -166,11 +244,6 @@ fn decode_signed(keys: &LinkKeys, text: &str) -> Result<Cursor, CursorError> {
     Ok(cursor)
 }
 
-/// The cluster's `system_identifier`, which cursors carry.
-pub async fn system_identifier(pool: &PgPool) -> sqlx::Result<String> {
-    sqlx::query_scalar!(r#"SELECT system_identifier::text AS "id!" FROM pg_control_system()"#).fetch_one(pool).await
-}
-
 #[cfg(test)]
 mod tests {
     use serde_json::{Value, json};
@@ -179,6 +252,18 @@ mod tests {
 
     fn keys() -> LinkKeys {
         LinkKeys::parse("k=0123456789abcdef0123456789abcdef").unwrap()
+    }
+
+    const AT: HistoryPoint = HistoryPoint { timeline: 1, wal_position: 4096 };
+
+    /// Cluster `cluster` on timeline 1, upgraded at position 16.
+    fn database(cluster: &str) -> &'static Database {
+        Box::leak(Box::new(Database {
+            system_identifier: cluster.to_owned(),
+            timeline: 1,
+            wal_position: 1 << 20,
+            origin: HistoryPoint { timeline: 1, wal_position: 16 },
+        }))
     }
 
     fn owner<'a>(
@@ -192,7 +277,7 @@ mod tests {
             tenant,
             principal,
             dataset,
-            cluster,
+            database: database(cluster),
             row_filter: rf,
             column_policy: None,
             hashed_positions: false,
@@ -206,11 +291,11 @@ mod tests {
             owner("acme", "p", "tickets", "42", &none),
             CursorOwner { hashed_positions: true, ..owner("acme", "p", "tickets", "42", &none) },
         );
-        let mid_window = Cursor { after: Some("t-1".into()), ..Cursor::new(&real, "10:12:11", 1000) };
+        let mid_window = Cursor { after: Some("t-1".into()), ..Cursor::new(&real, "10:12:11", AT, 1000) };
         let text = mid_window.encode(&keys());
         assert_eq!(Cursor::decode(&keys(), &text, &hashed, 0), Err(CursorError::Expired));
         assert!(Cursor::decode(&keys(), &text, &real, 0).is_ok());
-        let between_windows = Cursor::new(&real, "10:12:11", 1000).encode(&keys());
+        let between_windows = Cursor::new(&real, "10:12:11", AT, 1000).encode(&keys());
         assert!(Cursor::decode(&keys(), &between_windows, &hashed, 0).unwrap().hk, "now in hashed order");
     }
 
@@ -218,7 +303,7 @@ mod tests {
     fn cursors_round_trip_and_bind_their_owner() {
         let (none, emea, apac) = (json!({}), json!({"region": "emea"}), json!({"region": "apac"}));
         let me = owner("acme", "p", "tickets", "42", &emea);
-        let cursor = Cursor { after: Some("t-1".into()), ..Cursor::new(&me, "10:12:11", 1000) };
+        let cursor = Cursor { after: Some("t-1".into()), ..Cursor::new(&me, "10:12:11", AT, 1000) };
         let text = cursor.encode(&keys());
         assert_eq!(text, cursor.encode(&keys()), "deterministic");
         assert_eq!(Cursor::decode(&keys(), &text, &me, 0), Ok(cursor));
@@ -247,15 +332,22 @@ mod tests {
         use jsonwebtoken::Header;
         let none = json!({});
         let me = owner("acme", "p", "tickets", "42", &none);
-        let old =
-            Cursor { v: SIGNED_VERSION, after: Some("t-1".into()), rf: None, ..Cursor::new(&me, "10:12:11", 1000) };
+        let old = Cursor {
+            v: SIGNED_VERSION,
+            after: Some("t-1".into()),
+            rf: None,
+            at: None,
+            ..Cursor::new(&me, "10:12:11", AT, 1000)
+        };
         let keys = keys();
         let (kid, encoding) = keys.signing_key();
         let mut header = Header::new(Algorithm::HS256);
         header.kid = Some(kid.to_owned());
         let text = jsonwebtoken::encode(&header, &old, &encoding).unwrap();
         let decoded = Cursor::decode(&keys, &text, &me, 0).unwrap();
-        assert_eq!(decoded, Cursor { after: Some("t-1".into()), ..Cursor::new(&me, "10:12:11", 1000) });
+        // It carries no history point: it stands at the deployment's origin.
+        let origin = me.database.origin;
+        assert_eq!(decoded, Cursor { after: Some("t-1".into()), ..Cursor::new(&me, "10:12:11", origin, 1000) });
         // It does not say which filter it was cut under: a filtered partner re-bases.
         let emea = json!({"region": "emea"});
         let filtered = owner("acme", "p", "tickets", "42", &emea);

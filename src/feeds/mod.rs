@@ -13,6 +13,6 @@ mod ticker;
 mod window;
 
 pub use changes::{ChainPosition, Change, ChangePage, Feed, Op, chain_end, chain_page, page};
-pub use cursor::{Cursor, CursorError, CursorOwner, system_identifier};
+pub use cursor::{Cursor, CursorError, CursorOwner};
 pub use ticker::{run_ticker, tick};
 pub use window::{Seal, Window, newest_sealed_tick, next_window};

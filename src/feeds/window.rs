@@ -6,6 +6,8 @@
 use sqlx::{PgConnection, PgPool};
 use time::OffsetDateTime;
 
+use crate::history::HistoryPoint;
+
 /// The id of a window with no changes, which is never stored.
 pub const EMPTY: i64 = 0;
 
@@ -25,10 +27,18 @@ pub struct Window {
     pub to_snapshot: String,
     pub to_tick: i64,
     pub to_created_at: OffsetDateTime,
+    /// Where in the database's history the end tick was taken.
+    pub to_timeline: i32,
+    pub to_wal_position: i64,
     pub keys: i64,
 }
 
 impl Window {
+    /// Where in the database's history the next window starts.
+    pub fn to_point(&self) -> HistoryPoint {
+        HistoryPoint { timeline: self.to_timeline, wal_position: self.to_wal_position }
+    }
+
     fn read_from(self, start: &str) -> Window {
         Window { start: start.to_owned(), ..self }
     }
@@ -40,7 +50,8 @@ macro_rules! select_windows {
         sqlx::query_as!(
             Window,
             r#"SELECT w.id, w.from_snapshot, w.from_tick, w.from_snapshot AS "start!", t.snapshot::text AS "to_snapshot!",
-                      w.to_tick, t.created_at AS to_created_at, w.keys
+                      w.to_tick, t.created_at AS to_created_at, t.timeline AS to_timeline,
+                      t.wal_position AS to_wal_position, w.keys
                FROM feed_windows w JOIN feed_ticks t ON t.id = w.to_tick WHERE "#
                 + $conditions
             $(, $arg)*
@@ -214,7 +225,7 @@ async fn cut(pool: &PgPool, tenant: &str, dataset: &str, start: Start<'_>, seal:
         Start::Exact(from) => (None, None, None, Some(from)),
     };
     let end = sqlx::query!(
-        r#"SELECT id, snapshot::text AS "snapshot!", created_at FROM feed_ticks
+        r#"SELECT id, snapshot::text AS "snapshot!", created_at, timeline, wal_position FROM feed_ticks
            WHERE ($1::bigint IS NULL OR id > $1) AND ($2::bigint IS NULL OR id <= $2)
              AND ($3::timestamptz IS NULL OR created_at <= $3) AND ($4::bigint IS NULL OR id <= $4)
              AND ($5::text IS NULL OR (snapshot::text <> $5 AND exportd_snapshot_dominates(snapshot, $5::pg_snapshot)))
@@ -227,7 +238,7 @@ async fn cut(pool: &PgPool, tenant: &str, dataset: &str, start: Start<'_>, seal:
     )
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((end, to_snapshot, to_created_at)) = end.map(|e| (e.id, e.snapshot, e.created_at)) else {
+    let Some(end) = end else {
         return Ok(None);
     };
     let from_snapshot: String = match (exact_from, from_tick) {
@@ -243,7 +254,7 @@ async fn cut(pool: &PgPool, tenant: &str, dataset: &str, start: Start<'_>, seal:
     // Two readers cutting the same exact-start window: the second waits here on the unique index
     // and then finds the first one's.
     let created: Option<i64> = sqlx::query_scalar!("INSERT INTO feed_windows (tenant, dataset, from_snapshot, from_tick, to_tick, keys) VALUES ($1, $2, $3, $4, $5, 0)
-         ON CONFLICT DO NOTHING RETURNING id", tenant, dataset, &from_snapshot, from_tick, end)
+         ON CONFLICT DO NOTHING RETURNING id", tenant, dataset, &from_snapshot, from_tick, end.id)
     .fetch_optional(&mut *tx)
     .await?;
     let Some(id) = created else {
@@ -251,15 +262,17 @@ async fn cut(pool: &PgPool, tenant: &str, dataset: &str, start: Start<'_>, seal:
         let found = exact_start_window(pool, tenant, dataset, &from_snapshot).await?;
         return Ok(found.map(|w| w.read_from(&from_snapshot)));
     };
-    let keys = store_changed_keys(&mut tx, id, tenant, dataset, &from_snapshot, end).await?;
+    let keys = store_changed_keys(&mut tx, id, tenant, dataset, &from_snapshot, end.id).await?;
     let window = Window {
         id,
         start: from_snapshot.clone(),
         from_snapshot,
         from_tick,
-        to_snapshot,
-        to_tick: end,
-        to_created_at,
+        to_snapshot: end.snapshot,
+        to_tick: end.id,
+        to_created_at: end.created_at,
+        to_timeline: end.timeline,
+        to_wal_position: end.wal_position,
         keys: keys as i64,
     };
     if keys == 0 {

@@ -188,8 +188,8 @@ async fn create_export(
     JsonBody(request): JsonBody<ExportRequest>,
 ) -> ApiResult<Response> {
     let key = idempotency_key(&headers)?;
-    let cluster = crate::feeds::system_identifier(&state.pool).await?;
-    let feed = FeedContext { keys: &state.links, cluster: &cluster, now: state.clock.now() };
+    let database = crate::history::Database::identify(&state.pool).await?;
+    let feed = FeedContext { keys: &state.links, database: &database, now: state.clock.now() };
     let created = exports::create(&state.pool, &caller, &key, &request, &feed).await.inspect_err(|e| match e {
         ExportError::IdempotencyKeyReused => metrics::counter!("exportd_idempotency_conflicts_total").increment(1),
         ExportError::Rejected(rejection) => state.limits.refusals.count(&caller.tenant.id, rejection.kind()),
@@ -226,8 +226,8 @@ async fn estimate_export(
     JsonBody(request): JsonBody<ExportRequest>,
 ) -> ApiResult<axum::Json<Estimate>> {
     let _slot = state.limits.estimate_slot(&caller)?;
-    let cluster = crate::feeds::system_identifier(&state.pool).await?;
-    let feed = FeedContext { keys: &state.links, cluster: &cluster, now: state.clock.now() };
+    let database = crate::history::Database::identify(&state.pool).await?;
+    let feed = FeedContext { keys: &state.links, database: &database, now: state.clock.now() };
     Ok(axum::Json(exports::estimate::estimate(&state.pool, &caller, &request, &feed).await?))
 }
 
@@ -438,6 +438,7 @@ impl From<ExportError> for ApiError {
                 ApiError::new(StatusCode::BAD_REQUEST, "invalid-cursor", detail).with("field", field)
             }
             ExportError::CursorExpired(_) => ApiError::new(StatusCode::GONE, "cursor-expired", detail),
+            ExportError::CursorHistory(e) => super::feeds::cursor_problem(e),
             ExportError::RowFilterChanged => ApiError::new(StatusCode::FORBIDDEN, "row-filter-changed", detail),
             ExportError::ColumnPolicyChanged => ApiError::new(StatusCode::FORBIDDEN, "column-policy-changed", detail),
             ExportError::Rejected(rejection) => rejection.into(),

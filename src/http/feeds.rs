@@ -12,6 +12,7 @@ use super::records::exposed_dataset;
 use super::state::AppState;
 use crate::auth::Caller;
 use crate::feeds::{self, Change, Cursor, CursorError, CursorOwner, Feed, Seal};
+use crate::history::Database;
 use crate::records::KeyOrder;
 use crate::schemas::SchemaStamp;
 use crate::tenants::DatasetSchema;
@@ -55,7 +56,8 @@ pub struct ChangesPage {
     params(("dataset" = String, Path), ChangesParams),
     responses((status = 200, body = ChangesPage), (status = 400, description = "missing, malformed or tampered cursor"),
         (status = 403, description = "dataset not granted"), (status = 404, description = "no such dataset"),
-        (status = 410, description = "cursor-expired: older than the tombstone window; run a full export")))]
+        (status = 410, description = "cursor-expired: older than the tombstone window; cursor-lost-in-failover: from history a database failover lost; run a full export"),
+        (status = 503, description = "history-unreadable: after a failover, the timeline history cannot be read to check the cursor")))]
 async fn changes(
     State(state): State<AppState>,
     caller: Caller,
@@ -78,12 +80,12 @@ async fn changes(
         )
         .with("field", "cursor")
     })?;
-    let cluster = feeds::system_identifier(&state.pool).await?;
+    let database = Database::identify(&state.pool).await?;
     let now = state.clock.now();
     let oldest = now.unix_timestamp() - i64::from(caller.tenant.retention.tombstone_days) * 86_400;
     let row_filter = caller.principal.row_filter_json();
-    let owner = cursor_owner(&caller, &schema, &cluster, &row_filter);
-    let cursor = Cursor::decode(&state.links, &text, &owner, oldest).map_err(cursor_problem)?;
+    let owner = cursor_owner(&caller, &schema, &database, &row_filter);
+    let cursor = Cursor::open(&state.pool, &state.links, &text, &owner, oldest, now).await?.map_err(cursor_problem)?;
     let (principal, position) = (caller.principal.id.as_str(), cursor.ts);
     crate::webhooks::lag::record_position(&state.pool, &caller.tenant, principal, schema.name.as_str(), position, now)
         .await?;
@@ -134,25 +136,25 @@ async fn current_cursor(
     Path(dataset): Path<String>,
 ) -> ApiResult<axum::Json<CursorView>> {
     let schema = readable_dataset(&caller, &dataset)?;
-    let cluster = feeds::system_identifier(&state.pool).await?;
-    let snapshot = crate::records::Snapshot::current(&state.pool).await?;
+    let database = Database::identify(&state.pool).await?;
+    let (snapshot, at) = crate::history::current_snapshot(&state.pool).await?;
     let row_filter = caller.principal.row_filter_json();
-    let owner = cursor_owner(&caller, &schema, &cluster, &row_filter);
-    let cursor = Cursor::new(&owner, snapshot.as_str(), state.clock.now().unix_timestamp());
+    let owner = cursor_owner(&caller, &schema, &database, &row_filter);
+    let cursor = Cursor::new(&owner, snapshot.as_str(), at, state.clock.now().unix_timestamp());
     Ok(axum::Json(CursorView { cursor: cursor.encode(&state.links) }))
 }
 
 fn cursor_owner<'a>(
     caller: &'a Caller,
     schema: &'a DatasetSchema,
-    cluster: &'a str,
+    database: &'a Database,
     row_filter: &'a serde_json::Value,
 ) -> CursorOwner<'a> {
     CursorOwner {
         tenant: caller.tenant.id.as_str(),
         principal: caller.principal.id.as_str(),
         dataset: schema.name.as_str(),
-        cluster,
+        database,
         row_filter,
         column_policy: caller.principal.policy_fingerprint(schema.name.as_str()),
         hashed_positions: key_order(caller, schema.name.as_str()).is_hashed(),
@@ -176,7 +178,7 @@ pub(super) fn readable_dataset(caller: &Caller, name: &str) -> ApiResult<std::sy
     Ok(schema)
 }
 
-fn cursor_problem(e: CursorError) -> ApiError {
+pub(super) fn cursor_problem(e: CursorError) -> ApiError {
     match e {
         CursorError::Invalid => {
             ApiError::new(StatusCode::BAD_REQUEST, "invalid-cursor", e.to_string()).with("field", "cursor")
@@ -185,5 +187,9 @@ fn cursor_problem(e: CursorError) -> ApiError {
             .with("field", "cursor")
             .with("reason", "unknown-key"),
         CursorError::Expired => ApiError::new(StatusCode::GONE, "cursor-expired", e.to_string()),
+        CursorError::LostInFailover { .. } => ApiError::new(StatusCode::GONE, "cursor-lost-in-failover", e.to_string()),
+        CursorError::HistoryUnreadable(_) => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "history-unreadable", e.to_string())
+        }
     }
 }

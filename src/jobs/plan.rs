@@ -8,6 +8,7 @@ use super::WorkerDeps;
 use super::source::Source;
 use crate::exports::{ExportJob, FileFacts, shard_spec};
 use crate::feeds::{self, Cursor, CursorOwner, Feed, Seal};
+use crate::history::HistoryPoint;
 use crate::masking::{ColumnHasher, ColumnPolicy};
 use crate::records::{AsOf, KeyOrder, Snapshot};
 use crate::tenants::{DatasetName, TenantId};
@@ -143,25 +144,28 @@ impl Plan {
 
     /// The cursor the manifest hands out to continue after this export.
     pub(super) async fn next_cursor(&self, deps: &WorkerDeps, job: &ExportJob) -> anyhow::Result<String> {
-        let cluster = crate::feeds::system_identifier(&deps.pool).await?;
-        let cursor = |from: &str, after: Option<String>, ts: i64| {
+        let database = crate::history::Database::identify(&deps.pool).await?;
+        let cursor = |from: &str, at: HistoryPoint, ts: i64| {
             let owner = CursorOwner {
                 tenant: &job.tenant,
                 principal: &job.principal,
                 dataset: &job.dataset,
-                cluster: &cluster,
+                database: &database,
                 row_filter: &job.row_filter,
                 column_policy: job.column_policy.as_deref(),
                 hashed_positions: job.hashed_key_order,
             };
-            let cursor = Cursor::new(&owner, from, ts);
-            Cursor { after, ..cursor }.encode(&deps.keys)
+            Cursor::new(&owner, from, at, ts).encode(&deps.keys)
         };
         Ok(match &self.chain {
-            None => cursor(self.watermark.as_str(), None, job.created_at.unix_timestamp()),
+            None => {
+                let at = HistoryPoint { timeline: job.watermark_timeline, wal_position: job.watermark_wal_position };
+                cursor(self.watermark.as_str(), at, job.created_at.unix_timestamp())
+            }
             Some(chain) => {
-                match feeds::chain_end(&deps.pool, &self.feed(chain.until_tick), &chain.from, chain.until_tick).await? {
-                    Some((end, at)) => cursor(&end, None, at.unix_timestamp()),
+                let feed = self.feed(chain.until_tick);
+                match feeds::chain_end(&deps.pool, &feed, &chain.from, chain.until_tick).await? {
+                    Some((end, point, at)) => cursor(&end, point, at.unix_timestamp()),
                     // No window was sealed: continue where this export started.
                     None => job.from_cursor.clone().unwrap_or_default(),
                 }

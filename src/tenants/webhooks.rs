@@ -30,6 +30,10 @@ pub enum WebhookEvent {
     ExportRevoked,
     #[serde(rename = "feed.lagging")]
     FeedLagging,
+    /// A partner's feed position was refused after a database failover lost history it had
+    /// seen (once per principal, dataset and failover): it must re-base on a full export.
+    #[serde(rename = "feed.history_lost")]
+    FeedHistoryLost,
     /// A dataset's schema has a new version (announced before any export or page uses it).
     #[serde(rename = "schema.changed")]
     SchemaChanged,
@@ -42,13 +46,14 @@ pub enum WebhookEvent {
 }
 
 impl WebhookEvent {
-    pub const ALL: [WebhookEvent; 9] = [
+    pub const ALL: [WebhookEvent; 10] = [
         WebhookEvent::ExportSucceeded,
         WebhookEvent::ExportFailed,
         WebhookEvent::ExportCancelled,
         WebhookEvent::ExportExpired,
         WebhookEvent::ExportRevoked,
         WebhookEvent::FeedLagging,
+        WebhookEvent::FeedHistoryLost,
         WebhookEvent::SchemaChanged,
         WebhookEvent::DeliverySucceeded,
         WebhookEvent::DeliveryFailed,
@@ -62,6 +67,7 @@ impl WebhookEvent {
             WebhookEvent::ExportExpired => "export.expired",
             WebhookEvent::ExportRevoked => "export.revoked",
             WebhookEvent::FeedLagging => "feed.lagging",
+            WebhookEvent::FeedHistoryLost => "feed.history_lost",
             WebhookEvent::SchemaChanged => "schema.changed",
             WebhookEvent::DeliverySucceeded => "delivery.succeeded",
             WebhookEvent::DeliveryFailed => "delivery.failed",

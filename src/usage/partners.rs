@@ -33,6 +33,17 @@ pub struct FeedStanding {
     pub cursor_stored_at: Option<OffsetDateTime>,
     /// The position is older than the tenant's `lagging_after_minutes`.
     pub lagging: bool,
+    /// Refused since its last successful read: its position saw history a database failover
+    /// lost, and it has not re-based on a full export yet.
+    pub history_lost: Option<HistoryLost>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct HistoryLost {
+    /// The timeline the database failed over to.
+    pub timeline: i32,
+    pub refusals: i64,
+    pub last_at: OffsetDateTime,
 }
 
 /// Every partner principal of the tenant, in id order.
@@ -60,6 +71,13 @@ pub async fn activity(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sq
     )
     .fetch_all(pool)
     .await?;
+    let refused = sqlx::query!(
+        "SELECT DISTINCT ON (principal, dataset) principal, dataset, timeline, refusals, last_at
+           FROM failover_refusals WHERE tenant = $1 ORDER BY principal, dataset, timeline DESC",
+        id,
+    )
+    .fetch_all(pool)
+    .await?;
     let threshold = (tenant.feeds.lagging_after_minutes > 0)
         .then(|| now - time::Duration::minutes(i64::from(tenant.feeds.lagging_after_minutes)));
     let partners = tenant.principals.values().filter(|p| !p.is_admin());
@@ -75,7 +93,19 @@ pub async fn activity(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sq
                     let (position_at, last_read_at, cursor_stored_at) =
                         found.map_or((None, None, None), |s| (s.position_at, s.last_read_at, s.cursor_stored_at));
                     let lagging = matches!((position_at, threshold), (Some(at), Some(limit)) if at < limit);
-                    FeedStanding { dataset: dataset.to_string(), position_at, last_read_at, cursor_stored_at, lagging }
+                    let history_lost = refused
+                        .iter()
+                        .find(|r| r.principal == name && r.dataset == dataset.as_str())
+                        .filter(|r| last_read_at.is_none_or(|read| read < r.last_at))
+                        .map(|r| HistoryLost { timeline: r.timeline, refusals: r.refusals, last_at: r.last_at });
+                    FeedStanding {
+                        dataset: dataset.to_string(),
+                        position_at,
+                        last_read_at,
+                        cursor_stored_at,
+                        lagging,
+                        history_lost,
+                    }
                 })
                 .collect();
             let (egress_bytes, last_download_at) = downloads.get(&name).copied().unwrap_or((0, None));

@@ -7,7 +7,7 @@ use exportd::jobs::Step;
 use serde_json::{Value, json};
 use sqlx::{Connection, PgConnection, PgPool};
 
-async fn upsert(conn: &mut PgConnection, key: &str, subject: &str, region: &str) {
+pub(crate) async fn upsert(conn: &mut PgConnection, key: &str, subject: &str, region: &str) {
     sqlx::query("SELECT exportd_upsert('acme', 'tickets', $1, $2)")
         .bind(key)
         .bind(json!({"subject": subject, "status": "open", "region": region}))
@@ -16,12 +16,12 @@ async fn upsert(conn: &mut PgConnection, key: &str, subject: &str, region: &str)
         .unwrap();
 }
 
-async fn delete(conn: &mut PgConnection, key: &str) {
+pub(crate) async fn delete(conn: &mut PgConnection, key: &str) {
     sqlx::query("SELECT exportd_delete('acme', 'tickets', $1)").bind(key).execute(conn).await.unwrap();
 }
 
 /// Seals a window: a tick, then the server clock past the safety delay.
-async fn seal(app: &TestApp) {
+pub(crate) async fn seal(app: &TestApp) {
     app.tick().await;
     app.pass_safety_delay();
 }
@@ -35,7 +35,7 @@ fn pairs(items: &[(&str, &str)]) -> Vec<(String, String)> {
 }
 
 /// Applies changes in order, as a partner would.
-fn apply(state: &mut BTreeMap<String, Value>, changes: &[Value]) {
+pub(crate) fn apply(state: &mut BTreeMap<String, Value>, changes: &[Value]) {
     for change in changes {
         let key = change["key"].as_str().unwrap().to_owned();
         match change["op"].as_str().unwrap() {
@@ -49,7 +49,7 @@ fn apply(state: &mut BTreeMap<String, Value>, changes: &[Value]) {
     }
 }
 
-async fn committed_state(pool: &PgPool) -> BTreeMap<String, Value> {
+pub(crate) async fn committed_state(pool: &PgPool) -> BTreeMap<String, Value> {
     let rows: Vec<(String, Value)> = sqlx::query_as(
         "SELECT key, data FROM record_versions WHERE tenant = 'acme' AND dataset = 'tickets' AND closed_xid IS NULL AND data IS NOT NULL",
     )

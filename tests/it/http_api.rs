@@ -27,7 +27,9 @@ async fn healthz_reports_the_database_and_the_store_and_marks_responses_private(
     assert_eq!(response.headers()["cache-control"], "private, no-store");
     assert_eq!(response.headers()["x-content-type-options"], "nosniff");
     assert!(response.headers().contains_key("x-request-id"));
-    assert_eq!(response.json::<Value>().await.unwrap(), json!({"status": "ok", "database": "ok", "store": "ok"}));
+    let timeline: i32 = sqlx::query_scalar("SELECT exportd_timeline()").fetch_one(&app.pool).await.unwrap();
+    let health = json!({"status": "ok", "database": "ok", "timeline": timeline, "store": "ok"});
+    assert_eq!(response.json::<Value>().await.unwrap(), health);
 }
 
 #[sqlx::test(migrations = "./migrations")]

@@ -15,6 +15,7 @@ mod delivery_faults;
 mod delivery_slots;
 mod downloads;
 mod exports;
+mod failover;
 mod feeds;
 mod http_api;
 mod isolation;

@@ -28,7 +28,8 @@ macro_rules! job_query {
             $before
                 + r#" id, tenant, principal, dataset, mode AS "mode: crate::exports::Mode",
                   format AS "format: crate::writers::Format", codec AS "codec: crate::writers::Codec", schema_sha256, schema_version, exportd_version, request, request_sha256,
-                  state AS "state: crate::exports::ExportState", watermark::text AS "watermark!", columns,
+                  state AS "state: crate::exports::ExportState", watermark::text AS "watermark!",
+                  watermark_timeline, watermark_wal_position, columns,
                   filter, row_filter, column_policy, hashed_key_order, shard_rows, created_at, started_at, finished_at, lease_generation,
                   attempts, stalled_attempts, stalled_since, shards_done, rows_done, bytes_done, error_code, error_detail,
                   manifest_sha256, file_bytes, file_sha256, expires_at, from_cursor, start_from, start_after,

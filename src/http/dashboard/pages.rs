@@ -331,6 +331,12 @@ impl Overview<'_> {
                                             }
                                             @if let Some(at) = feed.last_read_at { ", last pull " (relative(at, self.now)) }
                                             @if feed.lagging { " " span.lagging data-lagging="true" { "lagging" } }
+                                            @if let Some(lost) = &feed.history_lost {
+                                                " " span.lagging data-history-lost=(lost.timeline) {
+                                                    "refused " (count(lost.refusals)) " times since the database failed over to timeline "
+                                                    (lost.timeline) ", last " (relative(lost.last_at, self.now)) ": it must re-base on a full export"
+                                                }
+                                            }
                                         }
                                     }
                                 }

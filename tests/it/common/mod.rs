@@ -3,6 +3,7 @@
 pub mod processes;
 pub mod proxy;
 pub mod receiver;
+pub mod replication;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

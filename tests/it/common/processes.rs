@@ -89,6 +89,17 @@ impl Server {
         log: Option<&Path>,
         configure: impl FnOnce(&mut Command),
     ) -> Server {
+        Server::start_on(&database_url(&app.pool).await, app.data_dir.path(), workers, log, configure).await
+    }
+
+    /// [`Server::start_with`] over any database and data directory.
+    pub async fn start_on(
+        database_url: &str,
+        data_dir: &Path,
+        workers: &str,
+        log: Option<&Path>,
+        configure: impl FnOnce(&mut Command),
+    ) -> Server {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let (level, log) = match log {
             Some(path) => {
@@ -99,9 +110,9 @@ impl Server {
         let mut command = Command::new(env!("CARGO_BIN_EXE_exportd"));
         command
             .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--workers", workers])
-            .env("DATABASE_URL", database_url(&app.pool).await)
+            .env("DATABASE_URL", database_url)
             .env("EXPORTD_TENANTS_DIR", fixture_tenants_dir())
-            .env("EXPORTD_DATA_DIR", app.data_dir.path())
+            .env("EXPORTD_DATA_DIR", data_dir)
             .env("EXPORTD_LINK_KEYS", LINK_KEYS)
             .env("EXPORTD_LOG", level)
             .stdout(Stdio::null())

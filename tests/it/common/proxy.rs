@@ -1,5 +1,6 @@
 //! A TCP proxy that can cut its traffic or freeze it: an outage of whatever it fronts (the S3
-//! store), made on demand, and healed again.
+//! store), made on demand, and healed again; or move to another server, as a virtual address
+//! follows a promoted database.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -20,6 +21,7 @@ enum Mode {
 pub struct OutageProxy {
     pub addr: SocketAddr,
     mode: watch::Sender<Mode>,
+    target: Arc<Mutex<SocketAddr>>,
     connections: Arc<Mutex<JoinSet<()>>>,
 }
 
@@ -30,9 +32,12 @@ impl OutageProxy {
         let (mode, watch_mode) = watch::channel(Mode::Up);
         let connections = Arc::new(Mutex::new(JoinSet::new()));
         let tracked = connections.clone();
+        let target = Arc::new(Mutex::new(target));
+        let followed = target.clone();
         tokio::spawn(async move {
             while let Ok((mut client, _)) = listener.accept().await {
                 let now = *watch_mode.borrow();
+                let target = *followed.lock().unwrap();
                 let mut until_healed = watch_mode.clone();
                 tracked.lock().unwrap().spawn(async move {
                     match now {
@@ -50,7 +55,7 @@ impl OutageProxy {
                 });
             }
         });
-        OutageProxy { addr, mode, connections }
+        OutageProxy { addr, mode, target, connections }
     }
 
     /// Drops every open connection and refuses new ones.
@@ -61,6 +66,12 @@ impl OutageProxy {
     /// Drops every open connection; new ones are accepted and never answered.
     pub fn freeze(&self) {
         self.set(Mode::Frozen);
+    }
+
+    /// Drops every open connection; new ones go to `target`, and are forwarded.
+    pub fn move_to(&self, target: SocketAddr) {
+        *self.target.lock().unwrap() = target;
+        self.set(Mode::Up);
     }
 
     pub fn heal(&self) {
