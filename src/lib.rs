@@ -22,6 +22,7 @@ pub mod masking;
 pub mod outbound;
 pub mod quota;
 pub mod records;
+pub mod replicas;
 pub mod schemas;
 pub mod server;
 pub mod sharing;

@@ -19,6 +19,7 @@ use crate::http::{self, AppState};
 use crate::jobs::{self, WorkerConfig, WorkerDeps};
 use crate::links::LinkKeys;
 use crate::quota::{RateLimits, ScanLimits};
+use crate::replicas::Replicas;
 use crate::storage::{ArtifactStore, Deployment, MARKER, OwnershipError};
 use crate::tenants::Registry;
 use crate::webhooks::{self, Deliverer};
@@ -224,7 +225,24 @@ async fn worker_deps(settings: &Settings, pool: PgPool, registry: Arc<Registry>)
         give_up_after: settings.give_up_after,
         ..WorkerConfig::default()
     };
-    Ok(WorkerDeps { pool, registry, store, keys, scan, config, spools: Default::default() })
+    let standby_connections = pool.options().get_max_connections();
+    let replicas = match &settings.read_replicas {
+        Some(urls) => Replicas::connect(urls, standby_connections, settings.read_replica_wait)?,
+        None => Replicas::default(),
+    };
+    if !replicas.is_empty() {
+        tracing::info!(standbys = replicas.describe(), "full exports read on hot standbys");
+    }
+    Ok(WorkerDeps {
+        pool,
+        registry,
+        store,
+        keys,
+        scan,
+        config,
+        spools: Default::default(),
+        replicas: Arc::new(replicas),
+    })
 }
 
 /// The loop delivering exports into partners' buckets.

@@ -104,3 +104,38 @@ stop_private_postgres() {
   fi
   return 0
 }
+
+# start_private_standby PRIMARY_PORT DIR PORT: a hot standby of the private cluster on
+# PRIMARY_PORT, made with pg_basebackup -R into DIR and streaming from it on PORT (DIR must be
+# one the postgres user can write; stop it with stop_cluster DIR).
+start_private_standby() {
+  local primary_port="$1" dir="$2" port="$3" bin
+  bin="$(pg_bindir)"
+  mkdir -p "$dir"
+  if [ "$(id -u)" = 0 ]; then chown postgres:postgres "$dir" && chmod 700 "$dir"; fi
+  rm -rf "$dir/data"
+  pg_run "$bin/pg_basebackup" -D "$dir/data" -h 127.0.0.1 -p "$primary_port" -U postgres -R -X stream -c fast \
+    >"$dir/basebackup.log" 2>&1 || { cat "$dir/basebackup.log" >&2; return 1; }
+  pg_run "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
+    -o "-p $port -k $dir -c listen_addresses=127.0.0.1 -c max_connections=200 -c hot_standby_feedback=on" start >/dev/null \
+    || { cat "$dir/server.log" >&2; return 1; }
+}
+
+stop_cluster() { # dir
+  pg_run "$(pg_bindir)/pg_ctl" -D "$1/data" -m fast -w stop >/dev/null 2>&1 || true
+}
+
+# cluster_cpu_seconds DIR: CPU seconds the cluster in DIR has used so far: its postmaster, the
+# children alive now and those it has reaped (backends, walsenders, background processes).
+cluster_cpu_seconds() {
+  local pid ticks=0 f
+  pid="$(head -n 1 "$1/data/postmaster.pid")"
+  # Fields after the command name: utime, stime, cutime, cstime are the 12th to 15th.
+  read -r -a f < <(sed -E 's/^.*\) //' "/proc/$pid/stat")
+  ticks=$((f[11] + f[12] + f[13] + f[14]))
+  for child in $(pgrep -P "$pid"); do
+    read -r -a f < <(sed -E 's/^.*\) //' "/proc/$child/stat" 2>/dev/null) || continue
+    if [ "${#f[@]}" -gt 12 ]; then ticks=$((ticks + f[11] + f[12])); fi
+  done
+  awk -v t="$ticks" -v hz="$(getconf CLK_TCK)" 'BEGIN { printf "%.2f\n", t / hz }'
+}

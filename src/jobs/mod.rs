@@ -108,6 +108,8 @@ pub struct WorkerDeps {
     pub config: WorkerConfig,
     /// Hashed-key exports' rows, spooled once per export and worker (see [`spool`]).
     pub spools: Arc<Spools>,
+    /// Hot standbys that read full exports' rows (none: the primary reads everything).
+    pub replicas: Arc<crate::replicas::Replicas>,
 }
 
 #[derive(Debug, PartialEq)]

@@ -23,6 +23,8 @@ pub(super) struct Plan {
     pub(super) filter: Value,
     pub(super) row_filter: Value,
     pub(super) watermark: Snapshot,
+    /// Where in the database's history the watermark was taken.
+    pub(super) watermark_point: HistoryPoint,
     pub(super) shard_rows: u64,
     /// The manifest and file metadata show the snapshot (an admin's export).
     pub(super) shows_watermark: bool,
@@ -72,6 +74,10 @@ impl Plan {
             filter: job.filter.clone(),
             row_filter: job.row_filter.clone(),
             watermark: Snapshot::parse(&job.watermark).map_err(anyhow::Error::msg)?,
+            watermark_point: HistoryPoint {
+                timeline: job.watermark_timeline,
+                wal_position: job.watermark_wal_position,
+            },
             shard_rows: u64::try_from(job.shard_rows).context("shard_rows")?,
             shows_watermark: by_admin,
             chain: job.start_from.clone().map(|from| Chain {
@@ -108,12 +114,23 @@ impl Plan {
         after: Option<&str>,
         limit: u64,
     ) -> anyhow::Result<(i64, Option<String>)> {
+        let reader = self.reader(deps).await;
         let Some(hasher) = self.spooled() else {
-            return Ok(self.as_of().span(&deps.pool, after, limit as i64).await?);
+            return Ok(self.as_of().span(reader, after, limit as i64).await?);
         };
         let keep_going = || async { Ok(true) };
-        let spool = deps.spools.get(id, &deps.pool, &self.as_of(), hasher, keep_going).await?;
+        let spool = deps.spools.get(id, reader, &self.as_of(), hasher, keep_going).await?;
         spool.context("spooling stopped")?.read_after(after)?.span(limit).await
+    }
+
+    /// Where the export's rows are read: a full export's snapshot on a standby that has replayed
+    /// past its watermark (or the primary); a feed's changes on the primary, as reading them may
+    /// cut windows.
+    pub(super) async fn reader<'d>(&self, deps: &'d WorkerDeps) -> &'d sqlx::PgPool {
+        if self.chain.is_some() || deps.replicas.is_empty() {
+            return &deps.pool;
+        }
+        deps.replicas.reader(&deps.pool, self.watermark_point).await
     }
 
     pub(super) fn key_order(&self) -> KeyOrder<'_> {

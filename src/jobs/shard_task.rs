@@ -72,11 +72,12 @@ impl<'a> ShardTask<'a> {
         let index = self.shard.shard_index;
         let deps = self.deps;
         let object_key = object_key(self.job, &self.shard, self.plan.shard_spec.format.extension());
+        let reader = self.plan.reader(deps).await;
         let spool = match self.plan.spooled() {
             None => None,
             Some(hasher) => {
                 let keep_going = || heartbeat.keep_going();
-                match deps.spools.get(self.job.id, &deps.pool, &self.plan.as_of(), hasher, keep_going).await? {
+                match deps.spools.get(self.job.id, reader, &self.plan.as_of(), hasher, keep_going).await? {
                     Some(spool) => Some(spool),
                     None => return Ok(Written::Stopped),
                 }
@@ -97,7 +98,7 @@ impl<'a> ShardTask<'a> {
             may_defer: self.may_defer,
             spool,
         };
-        let written = match shard::write_shard(&deps.pool, job, || heartbeat.keep_going()).await? {
+        let written = match shard::write_shard(reader, job, || heartbeat.keep_going()).await? {
             Ok(written) => written,
             Err(ShardStop::NoRows) => return Ok(Written::Empty),
             Err(ShardStop::TooManyRows) => return Ok(Written::TooManyRows),

@@ -29,6 +29,7 @@ mod restarts;
 mod schema_versions;
 mod sharing;
 mod slow_clients;
+mod standbys;
 mod storage;
 mod tenant_config;
 mod webhooks;

@@ -188,6 +188,7 @@ impl TestApp {
             registry,
             config: WorkerConfig { page_rows: 7, ..WorkerConfig::default() },
             spools: Default::default(),
+            replicas: Default::default(),
         }
     }
 
