@@ -9,6 +9,8 @@ use serde_json::{Value, json};
 use sqlx::Executor;
 use sqlx::postgres::PgPoolOptions;
 
+use exportd::jobs::{Outcome, Step, WorkerConfig, WorkerDeps};
+
 use crate::common::processes::Server;
 use crate::common::proxy::OutageProxy;
 use crate::common::replication::{Node, Replication};
@@ -210,20 +212,68 @@ async fn a_synchronous_failover_loses_nothing_and_refuses_nothing() {
     let (second, latest) = app.pull_all(&token, "tickets", &cursor, 100).await;
     let (_, manifest) = exported(app, &token).await;
 
+    // An export two shards into its run when the primary dies (a worker that yields after
+    // every shard), and a writer that keeps writing through the switch (other rows: `apac`).
+    let body = json!({"dataset": "tickets", "format": "csv", "shard_rows": 10, "filter": {"region": "emea"}});
+    let interrupted = app.export(&token, &body).await;
+    let one_shard_at_a_time =
+        WorkerDeps { config: WorkerConfig { yield_between_shards: true, ..WorkerConfig::default() }, ..app.deps() };
+    let (_, never) = tokio::sync::watch::channel(false);
+    for _ in 0..2 {
+        let ran = exportd::jobs::run_next_job(&one_shard_at_a_time, "before-the-switch", &never).await.unwrap();
+        assert_eq!(ran, Outcome::Ran(Step::Yielded));
+    }
+    let writer = tokio::spawn(keep_writing(app.pool.clone(), 150));
     ha.fail_over().await;
+    let acknowledged = writer.await.unwrap();
+    assert!(!acknowledged.is_empty());
+
+    // The export finishes with the bytes of one run undisturbed at the same snapshot.
+    app.drain().await;
+    let undisturbed = app.export(&token, &body).await;
+    app.drain().await;
+    let (finished, reference) = (shard_digests(app, &interrupted).await, shard_digests(app, &undisturbed).await);
+    assert!(finished.len() > 2);
+    assert_eq!(finished, reference, "byte-identical across the switch");
+
     ha.write(45..60, "third").await;
     seal(app).await;
-
+    let existing = committed_state(&app.pool).await;
+    for key in &acknowledged {
+        assert!(existing.contains_key(key), "{key} was acknowledged: synchronous replication kept it");
+    }
     let mut copy = BTreeMap::new();
     apply(&mut copy, &first);
     apply(&mut copy, &second);
     let (third, _) = app.pull_all(&token, "tickets", &latest, 100).await;
     apply(&mut copy, &third);
-    assert_eq!(copy, committed_state(&app.pool).await, "exact across the switch");
+    assert_eq!(copy, existing, "exact across the switch");
     for cursor in [&cursor, manifest["next_cursor"].as_str().unwrap()] {
         assert_eq!(changes_at(app, &token, cursor).await.status(), 200, "nothing was lost: nothing is refused");
     }
     let refusals: i64 =
         sqlx::query_scalar("SELECT count(*) FROM failover_refusals").fetch_one(&app.pool).await.unwrap();
     assert_eq!(refusals, 0);
+}
+
+async fn shard_digests(app: &TestApp, id: &str) -> Vec<String> {
+    let files = app.shard_files(id, &app.store).await;
+    files.iter().map(|f| crate::common::sha256_hex(f)).collect()
+}
+
+/// Upserts `w000`, `w001`, … one every few milliseconds, `count` attempts, through whatever the
+/// pool reaches; returns the keys whose commit was acknowledged.
+async fn keep_writing(pool: sqlx::PgPool, count: u32) -> Vec<String> {
+    let mut acknowledged = Vec::new();
+    for i in 0..count {
+        let key = format!("w{i:03}");
+        let data = json!({"subject": "during the switch", "status": "open", "region": "apac"});
+        let written =
+            sqlx::query("SELECT exportd_upsert('acme', 'tickets', $1, $2)").bind(&key).bind(data).execute(&pool).await;
+        if written.is_ok() {
+            acknowledged.push(key);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    acknowledged
 }
