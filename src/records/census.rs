@@ -11,8 +11,8 @@ use crate::tenants::{DatasetName, TenantId};
 
 /// Versions an exact count reads at most; a larger dataset is sampled instead.
 pub const EXACT_COUNT_LIMIT: i64 = 50_000;
-/// Table pages a sample reads (8 MiB at the default block size).
-const SAMPLE_PAGES: f64 = 1024.0;
+/// Table pages a sample reads (16 MiB at the default block size).
+const SAMPLE_PAGES: f64 = 2048.0;
 /// Keeps estimates stable between calls while the data does not change.
 const SAMPLE_SEED: i32 = 20_261_202;
 /// A census that takes longer than this fails instead of holding a connection.
@@ -78,7 +78,7 @@ pub async fn count(
     .fetch_one(&mut *tx)
     .await?;
     let percent = (SAMPLE_PAGES / pages.max(1) as f64 * 100.0).min(100.0);
-    let (blocks, sum, sum_of_squares): (i64, f64, f64) = census
+    let (sum, sum_of_squares): (f64, f64) = census
         .bind(sqlx::query_as(sqlx::AssertSqlSafe(sql.block_sample())), tenant, dataset)
         .bind(percent)
         .bind(SAMPLE_SEED)
@@ -91,20 +91,20 @@ pub async fn count(
         records = collect(rows, sample_bytes).await?;
     }
     tx.commit().await?;
-    Ok((ratio_estimate(pages, blocks, sum, sum_of_squares), records))
+    Ok((page_sample_estimate(percent / 100.0, sum, sum_of_squares), records))
 }
 
-/// The ratio estimate of a total from `blocks` sampled pages of `pages`: pages × the mean matches
-/// per sampled page, with the 95 % interval of simple random sampling without replacement.
-fn ratio_estimate(pages: i64, blocks: i64, sum: f64, sum_of_squares: f64) -> Count {
-    if blocks == 0 {
-        return Count { rows: 0, low: 0, high: 0, sampled: true };
-    }
-    let (n, total) = (blocks as f64, pages.max(blocks) as f64);
-    let mean = sum / n;
-    let variance = if blocks > 1 { ((sum_of_squares - n * mean * mean) / (n - 1.0)).max(0.0) } else { 0.0 };
-    let estimate = total * mean;
-    let margin = 1.96 * total * ((1.0 - n / total).max(0.0) * variance / n).sqrt();
+/// The total from a sample that took each page with probability `fraction` (`TABLESAMPLE
+/// SYSTEM`), `sum` matches in all and `sum_of_squares` of the matches per sampled page: the
+/// Horvitz–Thompson estimate `sum / fraction`, with the 95 % interval of its unbiased variance
+/// estimate `(1 − fraction) × sum_of_squares / fraction²`. A page the sample took but that holds
+/// no live tuple (only dead ones: rewritten or deleted records) yields no row to count, so an
+/// estimate that divided by the pages seen would count them as missing and overestimate; this one
+/// never needs to know how many pages were taken.
+fn page_sample_estimate(fraction: f64, sum: f64, sum_of_squares: f64) -> Count {
+    let fraction = fraction.clamp(f64::MIN_POSITIVE, 1.0);
+    let estimate = sum / fraction;
+    let margin = 1.96 * ((1.0 - fraction) * sum_of_squares).sqrt() / fraction;
     Count {
         rows: estimate.round() as u64,
         low: (estimate - margin).max(sum).round() as u64,
@@ -210,11 +210,11 @@ impl CensusSql {
         )
     }
 
-    /// Per sampled page (`$5` percent of them, seed `$6`): sampled pages, matches, and the sum of
+    /// Over the sampled pages (`$5` percent of them, seed `$6`): the matches, and the sum of
     /// squared matches per page.
     fn block_sample(&self) -> String {
         format!(
-            "SELECT count(*), coalesce(sum(y), 0)::float8, coalesce(sum(y * y), 0)::float8 FROM (
+            "SELECT coalesce(sum(y), 0)::float8, coalesce(sum(y * y), 0)::float8 FROM (
                  SELECT count(*) FILTER (WHERE v.tenant = $1 AND v.dataset = $2 AND {range} AND {matches})::float8 AS y
                  FROM record_versions v TABLESAMPLE SYSTEM ($5) REPEATABLE ($6)
                  GROUP BY (v.ctid::text::point)[0]) pages",
@@ -241,24 +241,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn uniform_pages_give_a_narrow_interval_and_a_full_sample_is_exact() {
-        // 1000 of 10 000 pages sampled, 20 matches on each.
-        let count = ratio_estimate(10_000, 1000, 20_000.0, 400_000.0);
-        assert_eq!((count.rows, count.low, count.high), (200_000, 200_000, 200_000));
+    fn a_tenth_of_the_pages_with_20_matches_each_and_a_full_sample_is_exact() {
+        // 1000 pages sampled at 10 %, 20 matches on each: 200 000, give or take 1.96 × sqrt(0.9 ×
+        // 400 000) / 0.1 = 11 760.
+        let count = page_sample_estimate(0.1, 20_000.0, 400_000.0);
+        assert_eq!((count.rows, count.low, count.high), (200_000, 188_240, 211_760));
         // Every page sampled: no sampling error left, whatever the spread.
-        let count = ratio_estimate(4, 4, 10.0, 40.0);
+        let count = page_sample_estimate(1.0, 10.0, 40.0);
         assert_eq!((count.rows, count.low, count.high), (10, 10, 10));
     }
 
     #[test]
-    fn uneven_pages_widen_the_interval_around_the_estimate() {
-        // 100 of 1000 pages: half hold 40 matches, half none.
-        let count = ratio_estimate(1000, 100, 2000.0, 80_000.0);
-        assert_eq!(count.rows, 20_000);
-        assert!(count.low < 20_000 && count.high > 20_000, "{count:?}");
-        assert!(count.low >= 2000, "never below what the sample itself saw: {count:?}");
-        let half_width = (count.high - count.low) / 2;
-        assert!((3000..4000).contains(&half_width), "{count:?}"); // 1.96 × 1000 × sqrt(0.9 × 404/100)
-        assert_eq!(ratio_estimate(100, 0, 0.0, 0.0).rows, 0);
+    fn pages_of_dead_tuples_do_not_inflate_the_estimate() {
+        // 100 live rows on each of 500 pages, and 500 more pages holding only dead tuples. A 10 %
+        // sample takes about 50 live pages and 50 dead ones; the dead ones yield no row. The
+        // estimate depends only on what the live pages hold.
+        let count = page_sample_estimate(0.1, 50.0 * 100.0, 50.0 * 100.0 * 100.0);
+        assert_eq!(count.rows, 50_000);
+        assert!(count.low < 50_000 && count.high > 50_000, "{count:?}");
+        assert!(count.low >= 5000, "never below what the sample itself saw: {count:?}");
+        assert_eq!(page_sample_estimate(0.1, 0.0, 0.0).rows, 0);
     }
 }
