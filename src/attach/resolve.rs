@@ -288,3 +288,65 @@ fn type_name(ty: ColumnType) -> &'static str {
         ColumnType::Json => "json",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    fn host(name: &str, ty: &str) -> HostColumn {
+        HostColumn { name: name.to_owned(), ty: ty.to_owned(), not_null: false }
+    }
+
+    fn spec(tenant: TenantRule) -> Spec {
+        Spec { table: "app.tickets".into(), dataset: "tickets".into(), key: vec![], tenant, columns: BTreeMap::new() }
+    }
+
+    #[test]
+    fn names_and_text_are_quoted_as_postgresql_quotes_them() {
+        assert_eq!(ident("region"), r#""region""#);
+        assert_eq!(ident(r#"we"ird"#), r#""we""ird""#, "a quote inside is doubled");
+        assert_eq!(ident("Mixed Case; DROP"), r#""Mixed Case; DROP""#, "nothing escapes the quotes");
+        assert_eq!(literal("acme"), "'acme'");
+        assert_eq!(literal("o'brien'); --"), "'o''brien''); --'");
+    }
+
+    #[test]
+    fn a_tenant_column_maps_its_values_and_names_what_is_missing() {
+        let columns = [host("org", "text"), host("id", "int8")];
+        let column = |name: &str| columns.iter().find(|c| c.name == name);
+        let (sql, tenants) = tenant_rule("app.tickets", &spec(TenantRule::Fixed("acme".into())), &column).unwrap();
+        assert_eq!((sql.as_str(), tenants), ("'acme'", vec!["acme".to_owned()]));
+
+        let map = BTreeMap::from([("1".to_owned(), "acme".to_owned()), ("2".to_owned(), "acme".to_owned())]);
+        let rule = TenantRule::Column { column: "org".into(), map: map.clone() };
+        let (sql, tenants) = tenant_rule("app.tickets", &spec(rule), &column).unwrap();
+        assert_eq!(sql, r#"CASE ("org")::text WHEN '1' THEN 'acme' WHEN '2' THEN 'acme' END"#);
+        assert_eq!(tenants, vec!["acme".to_owned()], "each tenant once");
+
+        let missing = TenantRule::Column { column: "tenant".into(), map };
+        let refused = tenant_rule("app.tickets", &spec(missing), &column).unwrap_err().to_string();
+        assert!(refused.contains("--tenant-column tenant") && refused.contains("no column `tenant`"), "{refused}");
+        let empty = TenantRule::Column { column: "org".into(), map: BTreeMap::new() };
+        let refused = tenant_rule("app.tickets", &spec(empty), &column).unwrap_err().to_string();
+        assert!(refused.contains("--tenant-map"), "{refused}");
+    }
+
+    #[test]
+    fn each_dataset_type_takes_only_the_host_types_that_fit_it() {
+        assert_eq!(to_json(ColumnType::String, "name", "text").unwrap(), "to_jsonb((name)::text)");
+        assert_eq!(to_json(ColumnType::String, "n", "int4").unwrap(), "to_jsonb((n)::text)", "any scalar as text");
+        assert_eq!(to_json(ColumnType::String, "doc", "jsonb"), None, "a document is not a string");
+        assert_eq!(to_json(ColumnType::Integer, "n", "int8").unwrap(), "to_jsonb((n))");
+        assert_eq!(to_json(ColumnType::Integer, "n", "numeric"), None, "a fraction could be lost");
+        assert!(
+            to_json(ColumnType::Number, "n", "numeric").is_some() && to_json(ColumnType::Number, "n", "int2").is_some()
+        );
+        assert_eq!(to_json(ColumnType::Boolean, "b", "text"), None);
+        let at = to_json(ColumnType::Timestamp, "opened", "date").unwrap();
+        assert!(at.contains("AT TIME ZONE 'UTC'") && at.contains(r#""Z""#), "written as UTC RFC 3339: {at}");
+        assert_eq!(to_json(ColumnType::Timestamp, "opened", "text"), None);
+        assert!(to_json(ColumnType::Json, "doc", "jsonb").is_some());
+    }
+}

@@ -205,33 +205,12 @@ impl Slots {
         self.courier.settings.delivery_parallel.max(1)
     }
 
-    fn tenant_share(&self) -> usize {
-        self.capacity().div_ceil(2)
-    }
-
-    fn principal_share(&self) -> usize {
-        self.tenant_share().div_ceil(2)
-    }
-
     /// Leases due deliveries into the free slots; returns how many it started.
     pub async fn fill(&mut self) -> anyhow::Result<usize> {
         let mut started = 0;
         while self.running.len() < self.capacity() {
             let claimed = {
-                let mut tenants: std::collections::HashMap<&str, usize> = Default::default();
-                let mut principals: std::collections::HashMap<(&str, &str), usize> = Default::default();
-                for (tenant, principal) in self.holders.values() {
-                    *tenants.entry(tenant).or_default() += 1;
-                    *principals.entry((tenant, principal)).or_default() += 1;
-                }
-                let shares = store::Shares {
-                    full_tenants: tenants.iter().filter(|(_, n)| **n >= self.tenant_share()).map(|(t, _)| *t).collect(),
-                    full_principals: principals
-                        .iter()
-                        .filter(|(_, n)| **n >= self.principal_share())
-                        .map(|(p, _)| *p)
-                        .collect(),
-                };
+                let shares = full_shares(self.capacity(), self.holders.values());
                 let courier = &self.courier;
                 let settings = &courier.settings;
                 store::claim(&courier.pool, &courier.owner, courier.lease_ttl, settings.delivery_retry_for, &shares)
@@ -267,6 +246,24 @@ impl Slots {
 
     pub fn is_empty(&self) -> bool {
         self.running.is_empty()
+    }
+}
+
+/// Who holds their whole share of `capacity` slots, given the (tenant, principal) of each running
+/// delivery: a tenant at most half of them (rounded up), one principal at most half of its
+/// tenant's.
+fn full_shares<'a>(capacity: usize, holders: impl Iterator<Item = &'a (String, String)>) -> store::Shares<'a> {
+    let tenant_share = capacity.div_ceil(2);
+    let principal_share = tenant_share.div_ceil(2);
+    let mut tenants: std::collections::HashMap<&str, usize> = Default::default();
+    let mut principals: std::collections::HashMap<(&str, &str), usize> = Default::default();
+    for (tenant, principal) in holders {
+        *tenants.entry(tenant).or_default() += 1;
+        *principals.entry((tenant, principal)).or_default() += 1;
+    }
+    store::Shares {
+        full_tenants: tenants.into_iter().filter(|(_, n)| *n >= tenant_share).map(|(t, _)| t).collect(),
+        full_principals: principals.into_iter().filter(|(_, n)| *n >= principal_share).map(|(p, _)| p).collect(),
     }
 }
 
@@ -325,5 +322,36 @@ async fn sweep_loop(courier: Courier, mut shutdown: tokio::sync::watch::Receiver
             _ = tokio::time::sleep(SWEEP_EVERY) => {}
             _ = shutdown.changed() => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn running(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(t, p)| (t.to_string(), p.to_string())).collect()
+    }
+
+    fn full(capacity: usize, holders: &[(String, String)]) -> (Vec<&str>, Vec<(&str, &str)>) {
+        let mut shares = full_shares(capacity, holders.iter());
+        shares.full_tenants.sort();
+        shares.full_principals.sort();
+        (shares.full_tenants, shares.full_principals)
+    }
+
+    #[test]
+    fn a_tenant_holds_half_the_slots_and_a_principal_half_of_its_tenants() {
+        // 4 slots: a tenant 2, a principal 1.
+        let holders = running(&[("acme", "p1"), ("acme", "p2"), ("globex", "q1")]);
+        assert_eq!(full(4, &holders), (vec!["acme"], vec![("acme", "p1"), ("acme", "p2"), ("globex", "q1")]));
+        // 8 slots: a tenant 4, a principal 2.
+        let holders = running(&[("acme", "p1"), ("acme", "p1"), ("acme", "p2"), ("globex", "q1")]);
+        assert_eq!(full(8, &holders), (vec![], vec![("acme", "p1")]));
+        // One slot: whoever holds it holds everything; nobody else waits on a share of zero.
+        assert_eq!(full(1, &running(&[("acme", "p1")])), (vec!["acme"], vec![("acme", "p1")]));
+        assert_eq!(full(2, &[]), (vec![], vec![]), "nothing running: nobody is full");
+        // 2 slots: a tenant 1, so a second tenant always finds one free.
+        assert_eq!(full(2, &running(&[("acme", "p1")])), (vec!["acme"], vec![("acme", "p1")]));
     }
 }
