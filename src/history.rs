@@ -119,6 +119,8 @@ fn judge(point: HistoryPoint, history: &[Switch]) -> Fate {
 
 type Histories = Mutex<HashMap<(String, i32), Arc<Vec<Switch>>>>;
 static HISTORIES: LazyLock<Histories> = LazyLock::new(Default::default);
+/// Timelines whose history could not be read (logged once each).
+static UNREADABLE: LazyLock<Mutex<std::collections::HashSet<(String, i32)>>> = LazyLock::new(Default::default);
 
 /// The ancestors of the current timeline and where each ended: `pg_wal/<timeline>.history`
 /// (reading it needs `pg_read_server_files`, or EXECUTE on `pg_read_file(text)`; see
@@ -133,11 +135,14 @@ async fn timeline_history(pool: &PgPool, database: &Database) -> sqlx::Result<Re
         Ok(text) => text,
         Err(sqlx::Error::Database(e)) => {
             let reason = format!("reading {file}: {} (SQLSTATE {})", e.message(), e.code().unwrap_or_default());
-            tracing::error!(
-                file,
-                error = %e.message(),
-                "cannot read the timeline history after a failover; grant the exportd role pg_read_server_files (or EXECUTE on pg_read_file(text)) so positions from the previous timeline can be checked"
-            );
+            // Once per timeline and process: every request with an older cursor meets it.
+            if UNREADABLE.lock().expect("history cache").insert(key) {
+                tracing::error!(
+                    file,
+                    error = %e.message(),
+                    "cannot read the timeline history after a failover; grant the exportd role pg_read_server_files (or EXECUTE on pg_read_file(text)) so positions from the previous timeline can be checked"
+                );
+            }
             return Ok(Err(reason));
         }
         Err(e) => return Err(e),
