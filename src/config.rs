@@ -47,13 +47,14 @@ pub struct Settings {
     #[arg(long, env = "EXPORTD_GIVE_UP_AFTER", default_value = "10m", value_parser = humantime::parse_duration)]
     pub give_up_after: std::time::Duration,
 
-    /// Hot standbys that read full exports' shards (`postgres://…[,postgres://…]`, each streaming
-    /// from the primary): a shard is read on one that has replayed past its export's watermark,
-    /// the same bytes as on the primary; writes, leases and checkpoints stay on the primary.
+    /// Hot standbys that read rows (`postgres://…[,postgres://…]`, each streaming from the
+    /// primary): full exports' shards, feed pages and estimates, each on one that has replayed
+    /// past the point the read needs, the same bytes as on the primary; writes, leases,
+    /// checkpoints and window cuts stay on the primary.
     #[arg(long, env = "EXPORTD_READ_REPLICAS", hide_env_values = true)]
     pub read_replicas: Option<String>,
 
-    /// How long a shard read waits for a standby to replay far enough; then the primary reads it.
+    /// How long a read waits for a standby to replay far enough; then the primary reads it.
     #[arg(long, env = "EXPORTD_READ_REPLICA_WAIT", default_value = "2s", value_parser = humantime::parse_duration)]
     pub read_replica_wait: std::time::Duration,
 

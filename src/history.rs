@@ -56,6 +56,15 @@ impl Database {
     }
 }
 
+/// Where the primary's history stands now: every commit visible to it is at or before this
+/// point (the WAL insert position is past the end of every commit record written).
+pub async fn current_point(pool: &PgPool) -> sqlx::Result<HistoryPoint> {
+    let row = sqlx::query!(r#"SELECT exportd_timeline() AS "timeline!", exportd_wal_position() AS "wal_position!""#)
+        .fetch_one(pool)
+        .await?;
+    Ok(HistoryPoint { timeline: row.timeline, wal_position: row.wal_position })
+}
+
 /// `pg_current_snapshot()` and where in the history it was taken (one statement, on the primary).
 pub async fn current_snapshot(pool: &PgPool) -> sqlx::Result<(Snapshot, HistoryPoint)> {
     let row = sqlx::query!(
@@ -66,6 +75,37 @@ pub async fn current_snapshot(pool: &PgPool) -> sqlx::Result<(Snapshot, HistoryP
     .await?;
     let snapshot = Snapshot::parse(&row.snapshot).map_err(sqlx::Error::Protocol)?;
     Ok((snapshot, HistoryPoint { timeline: row.timeline, wal_position: row.wal_position }))
+}
+
+/// Counts a refusal of a principal's position in a dataset (a feed cursor, a table version) for
+/// history a failover to `timeline` lost; the first raises the tenant's `feed.history_lost`
+/// event (same statement: one event per principal, dataset and failover).
+pub async fn count_refusal(
+    pool: &PgPool,
+    (tenant, principal, dataset): (&str, &str, &str),
+    timeline: i32,
+    now: time::OffsetDateTime,
+) -> sqlx::Result<()> {
+    sqlx::query!(
+        "WITH counted AS (
+             INSERT INTO failover_refusals (tenant, principal, dataset, timeline, first_at, last_at)
+             VALUES ($1, $2, $3, $4, $5, $5)
+             ON CONFLICT ON CONSTRAINT failover_refusals_pkey DO UPDATE
+                 SET refusals = failover_refusals.refusals + 1, last_at = EXCLUDED.last_at
+             RETURNING refusals)
+         INSERT INTO webhook_events (tenant, type, principal, dataset, data)
+         SELECT $1, 'feed.history_lost', $2, $3,
+                jsonb_build_object('principal', $2::text, 'dataset', $3::text, 'timeline', $4::int)
+           FROM counted WHERE refusals = 1",
+        tenant,
+        principal,
+        dataset,
+        timeline,
+        now,
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
 }
 
 /// Whether a point is part of the current history.

@@ -1,4 +1,5 @@
-//! Hot standbys that take reads off the primary (`EXPORTD_READ_REPLICAS`).
+//! Hot standbys that take reads off the primary (`EXPORTD_READ_REPLICAS`): full exports' rows,
+//! feed pages' changes, estimates' census.
 //!
 //! exportd reads a snapshot's rows by filtering record versions with the snapshot it recorded,
 //! not by PostgreSQL's own snapshot, so any server that has every commit the snapshot saw
@@ -77,6 +78,17 @@ impl Replicas {
         let (pool, served) = self.choose(primary, point).await;
         metrics::counter!("exportd_standby_reads_total", "served" => served.label()).increment(1);
         pool
+    }
+
+    /// A pool that reads everything committed on `primary` so far (rows written outside any
+    /// recorded snapshot, e.g. a feed window just cut): the primary's position now is the point
+    /// to have replayed past. Without standbys, `primary` (and no question asked of it).
+    pub async fn reader_now<'a>(&'a self, primary: &'a PgPool) -> sqlx::Result<&'a PgPool> {
+        if self.standbys.is_empty() {
+            return Ok(primary);
+        }
+        let point = crate::history::current_point(primary).await?;
+        Ok(self.reader(primary, point).await)
     }
 
     async fn choose<'a>(&'a self, primary: &'a PgPool, point: HistoryPoint) -> (&'a PgPool, Served) {

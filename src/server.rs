@@ -137,6 +137,7 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
         webhook_retry_for: settings.webhooks.webhook_retry_for,
         delivery_retry_for: settings.deliveries.delivery_retry_for,
         public_url: settings.webhooks.public_url.clone(),
+        replicas: deps.replicas.clone(),
         ..AppState::new(pool.clone(), registry, deps.store.clone(), deps.keys.clone(), Clock::system())
     };
     let (clock, limits) = (state.clock.clone(), state.limits.clone());
@@ -231,7 +232,7 @@ async fn worker_deps(settings: &Settings, pool: PgPool, registry: Arc<Registry>)
         None => Replicas::default(),
     };
     if !replicas.is_empty() {
-        tracing::info!(standbys = replicas.describe(), "full exports read on hot standbys");
+        tracing::info!(standbys = replicas.describe(), "full exports and feed pages read on hot standbys");
     }
     Ok(WorkerDeps {
         pool,

@@ -12,6 +12,7 @@ use crate::auth::Caller;
 use crate::masking::ColumnHasher;
 use crate::records::Record;
 use crate::records::census::{self, Census, Count};
+use crate::replicas::Replicas;
 use crate::writers::{ShardDigest, ShardWriter};
 
 /// Records encoded to measure bytes per row, and the bytes they may hold.
@@ -79,15 +80,18 @@ pub struct DurationEstimate {
     pub exports_ahead: u64,
 }
 
-/// The estimate for `request` as the caller would create it now. Validates like a create.
+/// The estimate for `request` as the caller would create it now. Validates like a create. The
+/// census reads on a standby of `replicas` that has everything the primary had committed when
+/// it began (its pages are the primary's, so a sample takes the same rows), else the primary.
 pub async fn estimate(
     pool: &PgPool,
+    replicas: &Replicas,
     caller: &Caller,
     request: &ExportRequest,
     feed: &FeedContext<'_>,
 ) -> Result<Estimate, ExportError> {
     let spec = ExportSpec::validate(request, caller)?;
-    let (count, sample, method) = census_of(pool, caller, &spec, request, feed).await?;
+    let (count, sample, method) = census_of(pool, replicas, caller, &spec, request, feed).await?;
     let shards = count.rows.div_ceil(u64::from(spec.shard_rows)).max(1);
     let hasher = caller.principal.column_policy(spec.dataset.as_str()).and_then(|p| p.hasher());
     let bytes = encoded_size(&spec, hasher, &sample, count.rows, shards);
@@ -125,6 +129,7 @@ fn census<'a>(spec: &'a ExportSpec, from: Option<&'a str>) -> Census<'a> {
 
 async fn census_of(
     pool: &PgPool,
+    replicas: &Replicas,
     caller: &Caller,
     spec: &ExportSpec,
     request: &ExportRequest,
@@ -134,9 +139,10 @@ async fn census_of(
         Mode::Full => None,
         Mode::Incremental => Some(incremental::start(pool, caller, spec, request.since.as_deref(), feed).await?.from),
     };
+    let reader = replicas.reader_now(pool).await?;
+    let census = census(spec, from.as_deref());
     let (count, sample) =
-        census::count(pool, &caller.tenant.id, &spec.dataset, census(spec, from.as_deref()), SAMPLE_ROWS, SAMPLE_BYTES)
-            .await?;
+        census::count(reader, &caller.tenant.id, &spec.dataset, census, SAMPLE_ROWS, SAMPLE_BYTES).await?;
     if !spec.row_filter.is_empty() {
         // Whether the census counted or sampled, and how wide a sample's interval is, depend on
         // records outside the caller's row filter (and on other tenants' data): a partner with

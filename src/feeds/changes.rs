@@ -11,6 +11,7 @@ use super::cursor::Cursor;
 use super::window::{Seal, Window, next_window, window_by_id};
 use crate::history::HistoryPoint;
 use crate::records::KeyOrder;
+use crate::replicas::Replicas;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -95,8 +96,13 @@ const SCAN_BATCH: usize = 2_000;
 /// delivered until `limit` changes are found or the window ends, and the cursor stops at the
 /// last change delivered — never at a key outside the partner's row filter, so neither the
 /// cursor nor the page depends on records the partner may not see.
+///
+/// Windows are cut on `pool` (the primary); their changes are read on a standby of `replicas`
+/// that has replayed everything the primary had committed once the window was there (a
+/// window's keys and every record version its end tick saw), else on the primary.
 pub async fn page(
     pool: &PgPool,
+    replicas: &Replicas,
     feed: &Feed<'_>,
     mut position: Cursor,
     limit: usize,
@@ -109,7 +115,8 @@ pub async fn page(
             return Ok(ChangePage { changes: filling.items, next: position, end_of_stream: true });
         };
         let start = position.after.clone().unwrap_or_default();
-        if let Some(last) = collect(pool, feed, &window, &start, &mut filling, shape, |c| c).await? {
+        let reader = if window.keys == 0 { pool } else { replicas.reader_now(pool).await? };
+        if let Some(last) = collect(reader, feed, &window, &start, &mut filling, shape, |c| c).await? {
             position.after = Some(last);
             return Ok(ChangePage { changes: filling.items, next: position, end_of_stream: false });
         }

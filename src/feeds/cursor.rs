@@ -182,7 +182,13 @@ impl Cursor {
         Ok(match history::fate(pool, owner.database, point).await? {
             Fate::Kept => Ok(cursor),
             Fate::Lost { timeline, ended_at } => {
-                record_refusal(pool, owner, now).await?;
+                history::count_refusal(
+                    pool,
+                    (owner.tenant, owner.principal, owner.dataset),
+                    owner.database.timeline,
+                    now,
+                )
+                .await?;
                 let ended = match ended_at {
                     Some(end) => format!("ended at {} before the cursor's position", history::format_lsn(end)),
                     None if timeline == owner.database.timeline => {
@@ -195,32 +201,6 @@ impl Cursor {
             Fate::Unknown(reason) => Err(CursorError::HistoryUnreadable(reason)),
         })
     }
-}
-
-/// Counts a refusal of `owner`'s position on the current timeline; the first raises the
-/// tenant's `feed.history_lost` event (same statement: one event per principal, dataset and
-/// failover).
-async fn record_refusal(pool: &PgPool, owner: &CursorOwner<'_>, now: time::OffsetDateTime) -> sqlx::Result<()> {
-    sqlx::query!(
-        "WITH counted AS (
-             INSERT INTO failover_refusals (tenant, principal, dataset, timeline, first_at, last_at)
-             VALUES ($1, $2, $3, $4, $5, $5)
-             ON CONFLICT ON CONSTRAINT failover_refusals_pkey DO UPDATE
-                 SET refusals = failover_refusals.refusals + 1, last_at = EXCLUDED.last_at
-             RETURNING refusals)
-         INSERT INTO webhook_events (tenant, type, principal, dataset, data)
-         SELECT $1, 'feed.history_lost', $2, $3,
-                jsonb_build_object('principal', $2::text, 'dataset', $3::text, 'timeline', $4::int)
-           FROM counted WHERE refusals = 1",
-        owner.tenant,
-        owner.principal,
-        owner.dataset,
-        owner.database.timeline,
-        now,
-    )
-    .execute(pool)
-    .await?;
-    Ok(())
 }
 
 /// What a kid may look like in a message: short visible ASCII (anything else is garbage, not a key).

@@ -228,7 +228,7 @@ async fn estimate_export(
     let _slot = state.limits.estimate_slot(&caller)?;
     let database = crate::history::Database::identify(&state.pool).await?;
     let feed = FeedContext { keys: &state.links, database: &database, now: state.clock.now() };
-    Ok(axum::Json(exports::estimate::estimate(&state.pool, &caller, &request, &feed).await?))
+    Ok(axum::Json(exports::estimate::estimate(&state.pool, &state.replicas, &caller, &request, &feed).await?))
 }
 
 fn idempotency_key(headers: &HeaderMap) -> ApiResult<IdempotencyKey> {

@@ -109,7 +109,7 @@ async fn changes(
             None => Ok(change),
         }
     };
-    let page = feeds::page(&state.pool, &feed, cursor, limit, &shape).await?;
+    let page = feeds::page(&state.pool, &state.replicas, &feed, cursor, limit, &shape).await?;
     let retry = page.end_of_stream.then(|| caller.tenant.feeds.safety_delay_seconds.clamp(1, 30));
     Ok(axum::Json(ChangesPage {
         changes: page.changes,

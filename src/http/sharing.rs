@@ -259,6 +259,10 @@ impl From<VersionError> for ApiError {
         match e {
             VersionError::Database(e) => e.into(),
             VersionError::NoVersion => ApiError::new(StatusCode::NOT_FOUND, "no-table-version", e.to_string()),
+            VersionError::LostInFailover { .. } => {
+                ApiError::new(StatusCode::GONE, "version-lost-in-failover", e.to_string())
+            }
+            VersionError::TooMany { .. } => ApiError::invalid_field("endingVersion", e.to_string()),
             other => ApiError::invalid_field("version", other.to_string()),
         }
     }
@@ -598,7 +602,7 @@ pub struct ChangesParams {
 }
 
 /// Versions one change request may span: its answer holds every file of the range.
-const MAX_CHANGE_VERSIONS: i64 = 100;
+const MAX_CHANGE_VERSIONS: usize = 100;
 /// File actions one changes response holds at most (each is a signed link, about 1 KiB): a
 /// range whose versions hold more is refused, naming the last ending version that fits. One
 /// version always fits (an export has at most `max_shards` files, removed and added).
@@ -667,26 +671,21 @@ async fn table_changes(
     if start > end {
         return Err(ApiError::invalid_field("startingVersion", "must not be after the ending version"));
     }
-    if end - start >= MAX_CHANGE_VERSIONS {
-        return Err(ApiError::invalid_field(
-            "endingVersion",
-            format!("one request spans at most {MAX_CHANGE_VERSIONS} versions; ask for the rest next"),
-        ));
-    }
     // A link per file of up to 100 versions: in the tenant's turn on the CPU.
     let _turn = state.limits.cpu_turn(&caller).await?;
-    let versions = crate::sharing::versions_between(pool, tenant, principal, dataset, (start - 1).max(0), end).await?;
+    let versions =
+        crate::sharing::change_range(pool, tenant, principal, dataset, (start, end), MAX_CHANGE_VERSIONS).await?;
     let Some(last) = versions.last() else { return Err(VersionError::NoVersion.into()) };
     let (job, columns) = version_export(&state, &caller, last).await?;
     let mut body = metadata(&share, table, last, &job, &columns).lines();
     let links = FileLinks::new(&state, &caller, &headers)?;
     // Version `start` is compared with the one before it (fetched above); version 0 with nothing.
-    let first = usize::from(start > 0);
+    let first = usize::from(versions[0].version < start);
     let mut files = 0usize;
     for index in first..versions.len() {
         let version = &versions[index];
         if files > MAX_CHANGE_FILES {
-            let fits = version.version - 2;
+            let fits = index.checked_sub(2).map_or(start, |i| versions[i].version);
             return Err(ApiError::invalid_field(
                 "endingVersion",
                 format!(

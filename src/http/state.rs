@@ -31,6 +31,8 @@ pub struct AppState {
     /// The API's public base URL (EXPORTD_PUBLIC_URL): Delta Sharing profiles and file URLs are
     /// absolute; without it they take the request's `Host`.
     pub public_url: Option<reqwest::Url>,
+    /// Hot standbys that read feed pages (EXPORTD_READ_REPLICAS); none by default.
+    pub replicas: Arc<crate::replicas::Replicas>,
 }
 
 /// Default of EXPORTD_WEBHOOK_RETRY_FOR.
@@ -62,6 +64,7 @@ impl AppState {
             webhook_retry_for: DEFAULT_WEBHOOK_RETRY_FOR,
             delivery_retry_for: DEFAULT_WEBHOOK_RETRY_FOR,
             public_url: None,
+            replicas: Default::default(),
         }
     }
 }

@@ -16,7 +16,9 @@ use sha2::{Digest, Sha256};
 
 pub use changes::ChangeFile;
 pub use protocol::{FileAction, FileKind, TableMetadata, file_stats, schema_string};
-pub use versions::{ShareVersion, VersionError, Which, record_version, resolve, version_at_or_after, versions_between};
+pub use versions::{
+    FAILOVER_SKIP, ShareVersion, VersionError, Which, change_range, record_version, resolve, version_at_or_after,
+};
 
 use crate::auth::Caller;
 use crate::tenants::DatasetName;

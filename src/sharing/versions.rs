@@ -5,6 +5,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::changes::ChangeFile;
+use crate::history;
 
 /// One version of a principal's table.
 #[derive(Debug, Clone, PartialEq)]
@@ -51,12 +52,37 @@ pub enum VersionError {
     NoVersion,
     #[error("version {asked} does not exist: the table's latest version is {latest}")]
     Beyond { asked: i64, latest: i64 },
+    #[error(
+        "version {asked} was published by history that a database failover lost (the table went on at version {went_on}, on timeline {timeline}): what you read of it may not exist. Read version {went_on} or later as a whole snapshot and take changes from there"
+    )]
+    LostInFailover { asked: i64, went_on: i64, timeline: i32 },
+    #[error(
+        "versions {start} to {end} are more than one request spans ({max_versions}): ask up to version {fits} first"
+    )]
+    TooMany { start: i64, end: i64, max_versions: usize, fits: i64 },
     #[error("the table has no version at or before that timestamp")]
     BeforeFirst,
     #[error("the table has no version at or after that timestamp")]
     AfterLast,
     #[error(transparent)]
     Database(#[from] sqlx::Error),
+}
+
+/// How many numbers the first version published on a newer timeline skips: more than a lost
+/// stretch of history could have published (each version is a full export), so no number the
+/// lost history handed out is ever given to another version.
+pub const FAILOVER_SKIP: i64 = 1_000_000;
+
+/// The number the next version takes after the table's latest (its number and the timeline it
+/// was published on), on timeline `timeline`; and where the numbers it skips start.
+fn next_number(latest: Option<(i64, i32)>, timeline: i32) -> (i64, Option<i64>) {
+    match latest {
+        None => (0, None),
+        Some((version, published_on)) if published_on == timeline => (version + 1, None),
+        // A failover (or a restore) since the latest version: versions published after it on
+        // the old timeline may be lost, and their numbers are not ours to give.
+        Some((version, _)) => (version + 1 + FAILOVER_SKIP, Some(version + 1)),
+    }
 }
 
 /// Makes the export `export_id`, published in `tx`, the next version of its principal's table
@@ -86,38 +112,45 @@ pub async fn record_version(
     )
     .execute(&mut **tx)
     .await?;
+    let now = sqlx::query!(
+        r#"SELECT exportd_timeline() AS "timeline!", l.version AS "version?", l.timeline AS "published_on?",
+                  l.snapshot_at AS "snapshot_at?"
+           FROM (SELECT) o LEFT JOIN LATERAL (
+               SELECT version, timeline, snapshot_at FROM share_versions
+               WHERE tenant = $1 AND principal = $2 AND dataset = $3 ORDER BY version DESC LIMIT 1) l ON true"#,
+        job.tenant,
+        job.principal,
+        job.dataset,
+    )
+    .fetch_one(&mut **tx)
+    .await?;
+    if now.snapshot_at.is_some_and(|latest| latest >= job.created_at) {
+        return Ok(None);
+    }
+    let latest = now.version.zip(now.published_on);
+    let (number, skipped_from) = next_number(latest, now.timeline);
+    let changes = changes.filter(|c| now.version == Some(c.from_version));
     let version = sqlx::query_scalar!(
-        "INSERT INTO share_versions (tenant, principal, dataset, version, export_id, snapshot_at)
-         SELECT $1, $2, $3, coalesce(max(version) + 1, 0), $4, $5 FROM share_versions
-         WHERE tenant = $1 AND principal = $2 AND dataset = $3
-         HAVING coalesce(max(snapshot_at) < $5, true)
+        "INSERT INTO share_versions (tenant, principal, dataset, version, skipped_from, export_id, snapshot_at,
+                                     changes_from, changes_object, changes_rows, changes_bytes, changes_sha256)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
          ON CONFLICT (export_id) DO NOTHING
          RETURNING version",
         job.tenant,
         job.principal,
         job.dataset,
+        number,
+        skipped_from,
         export_id,
         job.created_at,
+        changes.map(|c| c.from_version),
+        changes.map(|c| c.object_key.clone()),
+        changes.map(|c| c.rows),
+        changes.map(|c| c.bytes),
+        changes.map(|c| c.sha256.clone()),
     )
     .fetch_optional(&mut **tx)
     .await?;
-    if let (Some(version), Some(changes)) = (version, changes)
-        && version == changes.from_version + 1
-    {
-        sqlx::query!(
-            "UPDATE share_versions SET changes_from = $2, changes_object = $3, changes_rows = $4,
-                 changes_bytes = $5, changes_sha256 = $6
-             WHERE export_id = $1",
-            export_id,
-            changes.from_version,
-            changes.object_key,
-            changes.rows,
-            changes.bytes,
-            changes.sha256,
-        )
-        .execute(&mut **tx)
-        .await?;
-    }
     Ok(version)
 }
 
@@ -152,6 +185,11 @@ pub async fn resolve(
     if let Some(found) = found {
         return Ok(found);
     }
+    if let Which::Number(asked) = which
+        && let Some(skip) = skip_holding(pool, (tenant, principal, dataset), asked).await?
+    {
+        refuse_lost(pool, (tenant, principal, dataset), asked, skip).await?;
+    }
     let latest = resolve_latest(pool, tenant, principal, dataset).await?;
     Err(match (which, latest) {
         (_, None) => VersionError::NoVersion,
@@ -179,29 +217,84 @@ async fn resolve_latest(
     .await
 }
 
-/// The versions `from..=to`, oldest first.
-pub async fn versions_between(
+/// The skip `number` lies in, if a failover skipped it (see [`FAILOVER_SKIP`]): the version that
+/// ended the skip and its timeline.
+async fn skip_holding(
+    pool: &PgPool,
+    (tenant, principal, dataset): (&str, &str, &str),
+    number: i64,
+) -> sqlx::Result<Option<(i64, i32)>> {
+    let skip = sqlx::query!(
+        "SELECT version, timeline FROM share_versions
+         WHERE tenant = $1 AND principal = $2 AND dataset = $3 AND skipped_from <= $4 AND version > $4",
+        tenant,
+        principal,
+        dataset,
+        number,
+    )
+    .fetch_optional(pool)
+    .await?;
+    Ok(skip.map(|s| (s.version, s.timeline)))
+}
+
+/// Refuses `asked` for the skip that ended at `went_on`; the refusal is counted with the
+/// feed's (`failover_refusals`, `feed.history_lost`).
+async fn refuse_lost(
+    pool: &PgPool,
+    table: (&str, &str, &str),
+    asked: i64,
+    (went_on, timeline): (i64, i32),
+) -> Result<std::convert::Infallible, VersionError> {
+    history::count_refusal(pool, table, timeline, OffsetDateTime::now_utc()).await?;
+    Err(VersionError::LostInFailover { asked, went_on, timeline })
+}
+
+/// What a change request from `start` to `end` reads: the version before `start` (none for 0)
+/// and then those in `start..=end`, oldest first — at most `max_versions` of them, or
+/// [`VersionError::TooMany`] naming the last ending version that fits. A client that asks from
+/// `start` has read the version `start - 1`; when that number is one a failover skipped past its
+/// first, what it read is refused ([`VersionError::LostInFailover`]). (Asking from the first
+/// skipped number means having read the last version kept; asking from the version that ended
+/// the skip asks for its own changes, and only a client that learnt its number can.)
+pub async fn change_range(
     pool: &PgPool,
     tenant: &str,
     principal: &str,
     dataset: &str,
-    from: i64,
-    to: i64,
-) -> sqlx::Result<Vec<ShareVersion>> {
-    sqlx::query_as!(
+    (start, end): (i64, i64),
+    max_versions: usize,
+) -> Result<Vec<ShareVersion>, VersionError> {
+    if start > 0
+        && let Some(skip) = skip_holding(pool, (tenant, principal, dataset), start - 1).await?
+        && skip.0 != start
+    {
+        refuse_lost(pool, (tenant, principal, dataset), start - 1, skip).await?;
+    }
+    let versions = sqlx::query_as!(
         ShareVersion,
         "SELECT version, export_id, snapshot_at, changes_from, changes_object, changes_rows, changes_bytes, changes_sha256
          FROM share_versions
-         WHERE tenant = $1 AND principal = $2 AND dataset = $3 AND version BETWEEN $4 AND $5
-         ORDER BY version",
+         WHERE tenant = $1 AND principal = $2 AND dataset = $3 AND version <= $5
+           AND version >= coalesce((SELECT max(version) FROM share_versions
+                                    WHERE tenant = $1 AND principal = $2 AND dataset = $3 AND version < $4), $4)
+         ORDER BY version LIMIT $6",
         tenant,
         principal,
         dataset,
-        from,
-        to,
+        start,
+        end,
+        max_versions as i64 + 2,
     )
     .fetch_all(pool)
-    .await
+    .await?;
+    let asked: Vec<&ShareVersion> = versions.iter().filter(|v| v.version >= start).collect();
+    if asked.len() > max_versions {
+        return Err(VersionError::TooMany { start, end, max_versions, fits: asked[max_versions - 1].version });
+    }
+    if asked.is_empty() {
+        return Err(VersionError::NoVersion);
+    }
+    Ok(versions)
 }
 
 /// The oldest version whose snapshot is at or after `at` (`GET …/version?startingTimestamp=`).
@@ -229,5 +322,21 @@ pub async fn version_at_or_after(
         Some(found) => Ok(found),
         None if resolve_latest(pool, tenant, principal, dataset).await?.is_none() => Err(VersionError::NoVersion),
         None => Err(VersionError::AfterLast),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_count_on_one_timeline_and_skip_after_a_failover() {
+        assert_eq!(next_number(None, 1), (0, None), "the first version");
+        assert_eq!(next_number(Some((4, 1)), 1), (5, None));
+        assert_eq!(next_number(None, 3), (0, None), "a table first published after a failover");
+        let (number, skipped_from) = next_number(Some((4, 1)), 2);
+        assert_eq!(skipped_from, Some(5), "the lost history may have published 5 and on");
+        assert_eq!(number, 5 + FAILOVER_SKIP);
+        assert_eq!(next_number(Some((number, 2)), 2), (number + 1, None), "and counts on from there");
     }
 }

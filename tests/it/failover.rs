@@ -256,6 +256,76 @@ async fn a_synchronous_failover_loses_nothing_and_refuses_nothing() {
     assert_eq!(refusals, 0);
 }
 
+/// A full Parquet export of the whole dataset (the next table version of `token`'s share);
+/// returns the table's latest version after it.
+async fn publish_table_version(app: &TestApp, token: &str) -> i64 {
+    app.export(token, &json!({"dataset": "tickets", "format": "parquet"})).await;
+    app.drain().await;
+    let version = app.get(Some(token), &format!("{TABLE}/version")).await;
+    assert_eq!(version.status(), 200);
+    version.headers()["delta-table-version"].to_str().unwrap().parse().unwrap()
+}
+
+const TABLE: &str = "/delta-sharing/shares/zenpartner/schemas/acme/tables/tickets";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_version_published_by_lost_history_is_refused_and_its_number_never_given_again() {
+    let ha = Deployment::start(Replication::Asynchronous).await;
+    let app = &ha.app;
+    let token = app.token("acme", "zenpartner");
+    ha.write(0..20, "kept").await;
+    assert_eq!(publish_table_version(app, &token).await, 0);
+    ha.standby.catch_up_with(&ha.primary).await;
+
+    // Version 1, published by history the standby never receives; a partner reads its changes.
+    ha.standby.stop_receiving().await;
+    ha.write(20..30, "lost").await;
+    assert_eq!(publish_table_version(app, &token).await, 1);
+    let read = app.get(Some(&token), &format!("{TABLE}/changes?startingVersion=1")).await;
+    assert_eq!(read.status(), 200);
+
+    ha.fail_over().await;
+    ha.write(30..40, "new").await;
+    let went_on = publish_table_version(app, &token).await;
+    assert_eq!(went_on, 1 + exportd::sharing::FAILOVER_SKIP, "the lost history's numbers are skipped");
+
+    // The partner that read version 1 asks for what follows it, or reads it again: refused,
+    // naming the failover, in the protocol's error body.
+    for asked in
+        [format!("{TABLE}/changes?startingVersion=2"), format!("{TABLE}/changes?startingVersion=2&endingVersion=5")]
+    {
+        let refused = app.get(Some(&token), &asked).await;
+        assert_eq!(refused.status(), 410, "{asked}");
+        let body: Value = refused.json().await.unwrap();
+        assert!(body["message"].as_str().unwrap().contains("failover"), "{body}");
+    }
+    let query = app.client.post(app.url(&format!("{TABLE}/query"))).bearer_auth(&token).json(&json!({"version": 1}));
+    assert_eq!(query.send().await.unwrap().status(), 410, "version 1 itself");
+
+    // A partner that holds version 0 gets exactly what the new primary has beyond it: the
+    // records written after the switch, none of the lost ones.
+    let changes = app.get(Some(&token), &format!("{TABLE}/changes?startingVersion=1")).await;
+    assert_eq!(changes.status(), 200);
+    assert_eq!(changes.headers()["delta-table-version"], went_on.to_string().as_str());
+    let lines: Vec<Value> = changes.text().await.unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 3, "protocol, metaData and the new version's change file: {lines:?}");
+    assert_eq!(lines[2]["cdf"]["version"], went_on);
+    let rows = crate::sharing::change_rows(&lines[2]["cdf"]).await;
+    let expected: Vec<(String, String)> = (30..40).map(|i| (format!("k{i:03}"), "insert".to_owned())).collect();
+    assert_eq!(rows, expected);
+    // So does one that asks for the new version's own changes, and the version after it counts on.
+    let own = app.get(Some(&token), &format!("{TABLE}/changes?startingVersion={went_on}")).await;
+    assert_eq!(own.status(), 200);
+    ha.write(40..41, "later").await;
+    assert_eq!(publish_table_version(app, &token).await, went_on + 1);
+
+    let refusals: i64 = sqlx::query_scalar("SELECT refusals FROM failover_refusals WHERE principal = 'zenpartner'")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(refusals, 3);
+}
+
 async fn shard_digests(app: &TestApp, id: &str) -> Vec<String> {
     let files = app.shard_files(id, &app.store).await;
     files.iter().map(|f| crate::common::sha256_hex(f)).collect()

@@ -553,7 +553,7 @@ async fn version_hashes(pool: &PgPool, id: &str) -> (Vec<String>, String) {
 }
 
 /// The keys and `_change_type`s of a change file (Parquet) behind a `cdf` line's link.
-async fn change_rows(cdf: &Value) -> Vec<(String, String)> {
+pub async fn change_rows(cdf: &Value) -> Vec<(String, String)> {
     use arrow_array::cast::AsArray;
     let body = reqwest::get(cdf["url"].as_str().unwrap()).await.unwrap().bytes().await.unwrap();
     let reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(body).unwrap().build().unwrap();
