@@ -103,7 +103,8 @@ async fn collect_history(
 ) -> anyhow::Result<()> {
     let mut oldest = now;
     for tenant in registry.tenants() {
-        let collected = crate::feeds::gc::collect(pool, tenant, now).await.context("collecting history")?;
+        let readers = crate::exports::HistoryReaders(pool);
+        let collected = crate::feeds::gc::collect(pool, &readers, tenant, now).await.context("collecting history")?;
         report.versions_collected += collected.versions;
         report.windows_collected += collected.windows;
         oldest = oldest.min(now - time::Duration::days(i64::from(tenant.retention.tombstone_days)));

@@ -65,8 +65,8 @@ pub async fn prepare_reporting(settings: &Settings, max_connections: u32) -> any
         let migrations_applied = db::migrate(&pool).await?;
         // Versions first: a breaking change refused here leaves the write functions' catalogue
         // as it was.
-        let versions = crate::schemas::register(&pool, &registry, &settings.tenants_dir).await?;
-        db::sync_catalogue(&pool, &registry).await?;
+        let versions = crate::tenants::register(&pool, &registry, &settings.tenants_dir).await?;
+        crate::tenants::sync_catalogue(&pool, &registry).await?;
         Ok((pool, migrations_applied, versions))
     })
     .await?;

@@ -13,6 +13,7 @@ use crate::masking::ColumnHasher;
 use crate::records::Record;
 use crate::records::census::{self, Census, Count};
 use crate::replicas::Replicas;
+use crate::served::ServedView;
 use crate::writers::{ShardDigest, ShardWriter};
 
 /// Records encoded to measure bytes per row, and the bytes they may hold.
@@ -93,7 +94,8 @@ pub async fn estimate(
     let spec = ExportSpec::validate(request, caller)?;
     let (count, sample, method) = census_of(pool, replicas, caller, &spec, request, feed).await?;
     let shards = count.rows.div_ceil(u64::from(spec.shard_rows)).max(1);
-    let hasher = caller.principal.column_policy(spec.dataset.as_str()).and_then(|p| p.hasher());
+    let view = ServedView::of(&caller.tenant, &caller.principal, spec.dataset.as_str()).ok();
+    let hasher = view.and_then(|v| v.hasher());
     let bytes = encoded_size(&spec, hasher, &sample, count.rows, shards);
     let duration = duration(pool, caller, &spec, count.rows).await?;
     Ok(Estimate {

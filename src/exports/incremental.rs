@@ -8,6 +8,7 @@ use crate::auth::Caller;
 use crate::feeds::{self, Cursor, CursorError, CursorOwner};
 use crate::history::Database;
 use crate::links::LinkKeys;
+use crate::served::ServedView;
 
 /// What creating an incremental export needs to read and sign cursors.
 pub struct FeedContext<'a> {
@@ -55,19 +56,11 @@ pub async fn start(
         }
     };
     let oldest = feed.now.unix_timestamp() - i64::from(caller.tenant.retention.tombstone_days) * 86_400;
-    let row_filter = caller.principal.row_filter_json();
-    let column_policy = caller.principal.policy_fingerprint(dataset);
-    let policy = caller.principal.column_policy(dataset);
-    let hashed_positions = policy.is_some_and(|p| p.key_order().is_hashed());
-    let owner = CursorOwner {
-        tenant,
-        principal,
-        dataset,
-        database: feed.database,
-        row_filter: &row_filter,
-        column_policy,
-        hashed_positions,
-    };
+    // The spec was validated against this view a moment ago.
+    let view =
+        ServedView::of(&caller.tenant, &caller.principal, dataset).map_err(|_| ExportError::DatasetNotGranted)?;
+    let row_filter = view.row_filter();
+    let owner = CursorOwner::of((tenant, principal), &view, feed.database, &row_filter);
     let cursor = Cursor::open(pool, feed.keys, &text, &owner, oldest, feed.now).await?.map_err(|e| match e {
         CursorError::Invalid | CursorError::UnknownKey(_) => {
             ExportError::InvalidCursor { field: "since", detail: format!("{field}: {e}") }

@@ -19,13 +19,12 @@ use uuid::Uuid;
 pub use incremental::{FeedContext, store_cursor};
 pub use layout::{Layout, Segment, ShardRecord};
 pub use manifest::{FileFacts, MANIFEST_VERSION, Manifest, ManifestFile, ManifestShard, shard_name, shard_spec};
-pub use request::{
-    DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode, OP_COLUMN, with_leading_field, with_op,
-};
+pub use request::{DEFAULT_SHARD_ROWS, ExportRequest, ExportSpec, MAX_SHARD_ROWS, Mode, OP_COLUMN, with_op};
 pub use state::ExportState;
 use store::jobs::Inserted;
 
 use crate::auth::Caller;
+use crate::served::{ServedView, ViewChanged};
 use crate::writers::{Codec, Format, sha256_hex};
 
 #[derive(Debug, thiserror::Error)]
@@ -442,13 +441,14 @@ pub fn ensure_same_view(caller: &Caller, job: &ExportJob) -> Result<(), ExportEr
     if caller.principal.is_admin() {
         return Ok(());
     }
-    if caller.principal.row_filter_json() != job.row_filter {
-        return Err(ExportError::RowFilterChanged);
-    }
-    if caller.principal.policy_fingerprint(&job.dataset) != job.column_policy.as_deref() {
-        return Err(ExportError::ColumnPolicyChanged);
-    }
-    Ok(())
+    // A dataset the tenant no longer exposes serves nothing: its exports look missing.
+    let Ok(view) = ServedView::exposed(&caller.tenant, &caller.principal, &job.dataset) else {
+        return Err(ExportError::NotFound);
+    };
+    view.check_cut(&job.row_filter, job.column_policy.as_deref()).map_err(|changed| match changed {
+        ViewChanged::RowFilter => ExportError::RowFilterChanged,
+        ViewChanged::ColumnPolicy => ExportError::ColumnPolicyChanged,
+    })
 }
 
 /// Deletes the export's files (storage records what was reclaimed and why), then marks them gone
@@ -463,6 +463,19 @@ pub async fn delete_files(
     let deleted = crate::storage::lifecycle::delete_export_files(pool, store, tenant, id, reason).await?;
     store::jobs::mark_files_deleted(pool, id).await?;
     Ok(deleted)
+}
+
+/// Tells the history collector which snapshots and windows exports still read.
+pub struct HistoryReaders<'a>(pub &'a PgPool);
+
+impl crate::feeds::gc::Readers for HistoryReaders<'_> {
+    async fn live_snapshots(&self, tenant: &str) -> sqlx::Result<Vec<String>> {
+        store::facts::live_snapshots(self.0, tenant).await
+    }
+
+    async fn incremental_unfinished(&self, tenant: &str) -> sqlx::Result<bool> {
+        store::facts::incremental_unfinished(self.0, tenant).await
+    }
 }
 
 /// Tells storage's orphan sweep which files exports still need.

@@ -6,7 +6,8 @@ use serde_json::{Map, Value};
 use crate::auth::Caller;
 use crate::masking::{ColumnPolicy, ColumnRule};
 use crate::schemas::ServedSchema;
-use crate::tenants::{DatasetName, DatasetSchema, RowFilter};
+use crate::served::{NotServed, ServedView};
+use crate::tenants::{DatasetName, DatasetSchema};
 use crate::writers::{Format, OutputColumn};
 
 use super::ExportError;
@@ -18,18 +19,7 @@ pub const MAX_SHARD_ROWS: u32 = 1_000_000;
 
 /// The record's JSON object with the `_op` field first.
 pub fn with_op(op: &str, data: &str) -> String {
-    with_leading_field(OP_COLUMN, op, data)
-}
-
-/// The record's JSON object with a string field `name` = `value` first (both plain names,
-/// nothing to escape).
-pub fn with_leading_field(name: &str, value: &str, data: &str) -> String {
-    let rest = data.trim_start().strip_prefix('{').unwrap_or("}").trim_start();
-    if rest.starts_with('}') {
-        format!("{{\"{name}\":\"{value}\"}}")
-    } else {
-        format!("{{\"{name}\":\"{value}\",{rest}")
-    }
+    crate::records::with_leading_field(OP_COLUMN, op, data)
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -123,12 +113,12 @@ pub struct ExportSpec {
 impl ExportSpec {
     /// Checks the request against the caller's tenant, grants and the dataset's columns.
     pub fn validate(request: &ExportRequest, caller: &Caller) -> Result<ExportSpec, ExportError> {
-        let served =
-            caller.tenant.served_schema(&request.dataset, &caller.principal).ok_or(ExportError::DatasetNotFound)?;
+        let view = ServedView::of(&caller.tenant, &caller.principal, &request.dataset).map_err(|e| match e {
+            NotServed::NoSuchDataset => ExportError::DatasetNotFound,
+            NotServed::NotGranted => ExportError::DatasetNotGranted,
+        })?;
+        let (served, policy) = (view.schema, view.policy);
         let schema = &*served.schema;
-        if !caller.principal.is_granted(&schema.name) {
-            return Err(ExportError::DatasetNotGranted);
-        }
         if request.mode == Mode::Full && request.since.is_some() {
             return Err(invalid("since", "`since` applies to incremental exports only"));
         }
@@ -142,7 +132,6 @@ impl ExportSpec {
         if !(1..=MAX_SHARD_ROWS).contains(&shard_rows) {
             return Err(invalid("shard_rows", format!("must be between 1 and {MAX_SHARD_ROWS}")));
         }
-        let policy = caller.principal.column_policy(schema.name.as_str());
         let mut columns = output_columns(schema, policy, request.columns.as_deref())?;
         for column in columns.iter_mut().filter(|c| served.is_retired(&c.name)) {
             column.retire();
@@ -159,11 +148,11 @@ impl ExportSpec {
             mode: request.mode,
             columns,
             filter: check_filter(served, policy, request.filter.clone().unwrap_or_default())?,
-            row_filter: row_filter_json(&caller.principal.row_filter),
-            column_policy: policy.map(|p| p.fingerprint().to_owned()),
-            hashed_key_order: policy.is_some_and(|p| p.key_order().is_hashed()),
+            row_filter: view.row_filter_fields(),
+            column_policy: view.policy_fingerprint().map(str::to_owned),
+            hashed_key_order: view.key_order().is_hashed(),
             shard_rows,
-            schema_sha256: crate::schemas::served_sha256(served, policy),
+            schema_sha256: view.schema_sha256(),
             schema_version: served.version.to_string(),
         })
     }
@@ -229,10 +218,6 @@ fn check_filter(
         }
     }
     Ok(filter)
-}
-
-fn row_filter_json(row_filter: &RowFilter) -> Map<String, Value> {
-    row_filter.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
 }
 
 fn invalid(field: &str, detail: impl Into<String>) -> ExportError {

@@ -12,6 +12,7 @@ use super::window::{Seal, Window, next_window, window_by_id};
 use crate::history::HistoryPoint;
 use crate::records::KeyOrder;
 use crate::replicas::Replicas;
+use crate::served::ServedView;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -60,6 +61,16 @@ impl Change {
             self.data = Some(RawValue::from_string(policy.record(data.get())?)?);
         }
         Ok(self)
+    }
+
+    /// The change as `view` serves it: projected onto its schema version, then through its
+    /// column policy.
+    pub fn as_served(self, view: &ServedView<'_>) -> serde_json::Result<Change> {
+        let change = if view.projects() { self.projected(view.schema)? } else { self };
+        match view.policy {
+            Some(policy) => change.masked(policy),
+            None => Ok(change),
+        }
     }
 }
 

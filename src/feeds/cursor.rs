@@ -10,6 +10,7 @@ use sqlx::PgPool;
 
 use crate::history::{self, Database, Fate, HistoryPoint};
 use crate::links::LinkKeys;
+use crate::served::ServedView;
 
 const AUDIENCE: &str = "exportd-cursor";
 /// Sealed cursors.
@@ -68,7 +69,25 @@ pub struct CursorOwner<'a> {
     pub hashed_positions: bool,
 }
 
-impl CursorOwner<'_> {
+impl<'a> CursorOwner<'a> {
+    /// `principal` of `tenant` reading `view` (whose frozen row filter is `row_filter`).
+    pub fn of(
+        (tenant, principal): (&'a str, &'a str),
+        view: &ServedView<'a>,
+        database: &'a Database,
+        row_filter: &'a serde_json::Value,
+    ) -> CursorOwner<'a> {
+        CursorOwner {
+            tenant,
+            principal,
+            dataset: view.name().as_str(),
+            database,
+            row_filter,
+            column_policy: view.policy_fingerprint(),
+            hashed_positions: view.key_order().is_hashed(),
+        }
+    }
+
     fn row_filter_fingerprint(&self) -> String {
         let digest = crate::writers::sha256_hex(self.row_filter.to_string().as_bytes());
         digest[..16].to_owned()

@@ -5,8 +5,15 @@
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
-use crate::exports::store::facts;
 use crate::tenants::Tenant;
+
+/// Who still reads a tenant's history: the export store (queued and running exports).
+pub trait Readers: Sync {
+    /// The snapshots of queued or running exports (watermarks and incremental starts).
+    fn live_snapshots(&self, tenant: &str) -> impl Future<Output = sqlx::Result<Vec<String>>> + Send;
+    /// Whether an incremental export of the tenant has not finished (it may be reading windows).
+    fn incremental_unfinished(&self, tenant: &str) -> impl Future<Output = sqlx::Result<bool>> + Send;
+}
 
 const BATCH: i64 = 10_000;
 
@@ -21,7 +28,12 @@ pub struct Collected {
 /// The horizon is the newest tick taken before then: cursors older than it answer 410, so no
 /// reader needs a version closed before it — except queued or running exports, whose watermarks
 /// (and incremental starts) protect every version they can still see.
-pub async fn collect(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sqlx::Result<Collected> {
+pub async fn collect(
+    pool: &PgPool,
+    readers: &impl Readers,
+    tenant: &Tenant,
+    now: OffsetDateTime,
+) -> sqlx::Result<Collected> {
     let cutoff = now - time::Duration::days(i64::from(tenant.retention.tombstone_days));
     let horizon = sqlx::query!(
         r#"SELECT id, snapshot::text AS "snapshot!" FROM feed_ticks WHERE created_at <= $1 ORDER BY id DESC LIMIT 1"#,
@@ -30,7 +42,7 @@ pub async fn collect(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sql
     .fetch_optional(pool)
     .await?;
     let Some((horizon_tick, horizon)) = horizon.map(|h| (h.id, h.snapshot)) else { return Ok(Collected::default()) };
-    let live = facts::live_snapshots(pool, tenant.id.as_str()).await?;
+    let live = readers.live_snapshots(tenant.id.as_str()).await?;
     let mut collected = Collected::default();
     loop {
         // A closed version is dead once its closing transaction is visible to the horizon and to
@@ -56,7 +68,7 @@ pub async fn collect(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) -> sql
     // Windows before the horizon, unless a live incremental export may still be reading its chain.
     // A window's keys go with it (they have no foreign key: checking one per key made cutting
     // a window of a million keys three times slower).
-    if facts::incremental_unfinished(pool, tenant.id.as_str()).await? {
+    if readers.incremental_unfinished(tenant.id.as_str()).await? {
         return Ok(collected);
     }
     let windows: i64 = sqlx::query_scalar!(

@@ -8,14 +8,12 @@ use utoipa_axum::{router::OpenApiRouter, routes};
 
 use super::error::{ApiError, ApiResult};
 use super::extract::{Path, Query};
-use super::records::exposed_dataset;
 use super::state::AppState;
 use crate::auth::Caller;
 use crate::feeds::{self, Change, Cursor, CursorError, CursorOwner, Feed, Seal};
 use crate::history::Database;
-use crate::records::KeyOrder;
 use crate::schemas::SchemaStamp;
-use crate::tenants::DatasetSchema;
+use crate::served::{NotServed, ServedView};
 
 pub const DEFAULT_LIMIT: usize = 1000;
 pub const MAX_LIMIT: usize = 10_000;
@@ -64,8 +62,9 @@ async fn changes(
     Path(dataset): Path<String>,
     Query(params): Query<ChangesParams>,
 ) -> ApiResult<axum::Json<ChangesPage>> {
-    let schema = readable_dataset(&caller, &dataset)?;
-    if crate::attach::backfill_running(&state.pool, caller.tenant.id.as_str(), schema.name.as_str()).await? {
+    let view = served_view(&caller, &dataset)?;
+    let name = view.name().as_str();
+    if crate::attach::backfill_running(&state.pool, caller.tenant.id.as_str(), name).await? {
         return Err(crate::exports::ExportError::BackfillRunning.into());
     }
     let limit = params.limit.unwrap_or(DEFAULT_LIMIT);
@@ -83,32 +82,21 @@ async fn changes(
     let database = Database::identify(&state.pool).await?;
     let now = state.clock.now();
     let oldest = now.unix_timestamp() - i64::from(caller.tenant.retention.tombstone_days) * 86_400;
-    let row_filter = caller.principal.row_filter_json();
-    let owner = cursor_owner(&caller, &schema, &database, &row_filter);
+    let row_filter = view.row_filter();
+    let owner = CursorOwner::of(caller_ids(&caller), &view, &database, &row_filter);
     let cursor = Cursor::open(&state.pool, &state.links, &text, &owner, oldest, now).await?.map_err(cursor_problem)?;
     let (principal, position) = (caller.principal.id.as_str(), cursor.ts);
-    crate::webhooks::lag::record_position(&state.pool, &caller.tenant, principal, schema.name.as_str(), position, now)
-        .await?;
+    crate::webhooks::lag::record_position(&state.pool, &caller.tenant, principal, name, position, now).await?;
     let feed = Feed {
         tenant: owner.tenant,
-        dataset: schema.name.as_str(),
+        dataset: name,
         row_filter: &row_filter,
         seal: Seal::Delayed { now, safety_delay_seconds: caller.tenant.feeds.safety_delay_seconds },
-        order: key_order(&caller, schema.name.as_str()),
+        order: view.key_order(),
     };
-    let versions = caller.tenant.versions(schema.name.as_str()).expect("an exposed dataset has versions");
-    let served = versions.served(caller.principal.schema_pin(schema.name.as_str()));
-    let projects = versions.projects(served);
-    let policy = caller.principal.column_policy(schema.name.as_str());
     // Shaped before it counts towards the page's bytes: where a page ends depends only on what
     // the caller receives.
-    let shape = |change: feeds::Change| {
-        let change = if projects { change.projected(served)? } else { change };
-        match policy {
-            Some(policy) => change.masked(policy),
-            None => Ok(change),
-        }
-    };
+    let shape = |change: Change| change.as_served(&view);
     let page = feeds::page(&state.pool, &state.replicas, &feed, cursor, limit, &shape).await?;
     let retry = page.end_of_stream.then(|| caller.tenant.feeds.safety_delay_seconds.clamp(1, 30));
     Ok(axum::Json(ChangesPage {
@@ -116,7 +104,7 @@ async fn changes(
         next_cursor: page.next.encode(&state.links),
         end_of_stream: page.end_of_stream,
         retry_after_seconds: retry,
-        schema: served.stamp_for(policy),
+        schema: view.stamp(),
     }))
 }
 
@@ -135,47 +123,27 @@ async fn current_cursor(
     caller: Caller,
     Path(dataset): Path<String>,
 ) -> ApiResult<axum::Json<CursorView>> {
-    let schema = readable_dataset(&caller, &dataset)?;
+    let view = served_view(&caller, &dataset)?;
     let database = Database::identify(&state.pool).await?;
     let (snapshot, at) = crate::history::current_snapshot(&state.pool).await?;
-    let row_filter = caller.principal.row_filter_json();
-    let owner = cursor_owner(&caller, &schema, &database, &row_filter);
+    let row_filter = view.row_filter();
+    let owner = CursorOwner::of(caller_ids(&caller), &view, &database, &row_filter);
     let cursor = Cursor::new(&owner, snapshot.as_str(), at, state.clock.now().unix_timestamp());
     Ok(axum::Json(CursorView { cursor: cursor.encode(&state.links) }))
 }
 
-fn cursor_owner<'a>(
-    caller: &'a Caller,
-    schema: &'a DatasetSchema,
-    database: &'a Database,
-    row_filter: &'a serde_json::Value,
-) -> CursorOwner<'a> {
-    CursorOwner {
-        tenant: caller.tenant.id.as_str(),
-        principal: caller.principal.id.as_str(),
-        dataset: schema.name.as_str(),
-        database,
-        row_filter,
-        column_policy: caller.principal.policy_fingerprint(schema.name.as_str()),
-        hashed_positions: key_order(caller, schema.name.as_str()).is_hashed(),
-    }
+/// The caller's tenant and principal ids.
+fn caller_ids(caller: &Caller) -> (&str, &str) {
+    (caller.tenant.id.as_str(), caller.principal.id.as_str())
 }
 
-/// The order the caller receives `dataset`'s records in.
-pub(super) fn key_order<'a>(caller: &'a Caller, dataset: &str) -> KeyOrder<'a> {
-    caller.principal.column_policy(dataset).map_or(KeyOrder::Key, crate::masking::ColumnPolicy::key_order)
-}
-
-pub(super) fn readable_dataset(caller: &Caller, name: &str) -> ApiResult<std::sync::Arc<DatasetSchema>> {
-    let schema = exposed_dataset(caller, name)?;
-    if !caller.principal.is_granted(&schema.name) {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "dataset-not-granted",
-            "the dataset is not granted to this principal",
-        ));
-    }
-    Ok(schema)
+/// What the caller is served of `dataset`, or the problem saying why nothing: a dataset the
+/// tenant does not expose is missing (404), one not granted forbidden (403).
+pub(super) fn served_view<'a>(caller: &'a Caller, dataset: &str) -> ApiResult<ServedView<'a>> {
+    ServedView::of(&caller.tenant, &caller.principal, dataset).map_err(|e| match e {
+        NotServed::NoSuchDataset => ApiError::new(StatusCode::NOT_FOUND, "dataset-not-found", e.to_string()),
+        NotServed::NotGranted => ApiError::new(StatusCode::FORBIDDEN, "dataset-not-granted", e.to_string()),
+    })
 }
 
 pub(super) fn cursor_problem(e: CursorError) -> ApiError {

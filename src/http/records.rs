@@ -15,6 +15,7 @@ use super::state::AppState;
 use crate::auth::Caller;
 use crate::masking::{ColumnRule, PolicySummary};
 use crate::records::{self, BatchOutcome, RecordWrite, WriteError};
+use crate::served::ServedView;
 use crate::tenants::{Column, DatasetSchema};
 
 /// Most records accepted in one ingest request.
@@ -59,12 +60,11 @@ async fn list_datasets(caller: Caller) -> axum::Json<DatasetList> {
     let datasets = caller
         .tenant
         .datasets
-        .iter()
-        .filter(|(name, _)| caller.principal.is_granted(name))
-        .filter_map(|(name, _)| {
-            let served = caller.tenant.served_schema(name.as_str(), &caller.principal)?;
+        .keys()
+        .filter_map(|name| {
+            let view = ServedView::of(&caller.tenant, &caller.principal, name.as_str()).ok()?;
+            let (served, policy) = (view.schema, view.policy);
             let schema = &served.schema;
-            let policy = caller.principal.column_policy(name.as_str());
             let dropped = |c: &&Column| policy.and_then(|p| p.rule(c.name.as_str())) == Some(ColumnRule::Drop);
             Some(DatasetView {
                 name: name.to_string(),

@@ -10,11 +10,11 @@ use utoipa_axum::{router::OpenApiRouter, routes};
 
 use super::error::ApiResult;
 use super::extract::Path;
-use super::feeds::readable_dataset;
+use super::feeds::served_view;
 use super::state::AppState;
 use crate::auth::Caller;
 use crate::masking::ColumnPolicy;
-use crate::schemas::{HistoryEntry, columns_seen, served_columns, sha256_seen};
+use crate::schemas::{HistoryEntry, columns_seen, sha256_seen};
 use crate::writers::OutputColumn;
 
 pub fn router() -> OpenApiRouter<AppState> {
@@ -72,18 +72,16 @@ async fn dataset_schema(
     caller: Caller,
     Path(dataset): Path<String>,
 ) -> ApiResult<axum::Json<SchemaDocument>> {
-    let schema = readable_dataset(&caller, &dataset)?;
-    let name = schema.name.as_str();
+    let view = served_view(&caller, &dataset)?;
+    let (name, policy) = (view.name().as_str(), view.policy);
     let versions = caller.tenant.versions(name).expect("an exposed dataset has versions");
-    let served = versions.served(caller.principal.schema_pin(name));
-    let policy = caller.principal.column_policy(name);
     let history = crate::schemas::history(&state.pool, name).await?;
     Ok(axum::Json(SchemaDocument {
         dataset: name.to_owned(),
-        served: {
-            let columns = served_columns(served, policy);
-            let sha256 = sha256_seen(name, &served.sha256, &columns, policy);
-            ServedView { version: served.version.to_string(), sha256, columns }
+        served: ServedView {
+            version: view.schema.version.to_string(),
+            sha256: view.schema_sha256(),
+            columns: view.columns(),
         },
         current_version: versions.current.version.to_string(),
         pinned_major: caller.tenant.effective_pin(name, &caller.principal),

@@ -5,8 +5,6 @@
 //! Handlers answer with [`ApiError`] like every other route; one layer turns those problems
 //! into the protocol's `{"errorCode", "message"}` bodies (see [`as_protocol_error`]).
 
-use std::collections::HashSet;
-
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::header::{CONTENT_TYPE, HOST};
@@ -701,24 +699,25 @@ async fn table_changes(
             continue;
         }
         let shards = exports::store::shards::all(pool, job.id).await?;
-        let mut had = HashSet::new();
-        if let Some(previous) = index.checked_sub(1).map(|i| &versions[i]) {
-            let (previous_job, previous_columns) = version_export(&state, &caller, previous).await?;
-            let now_has: HashSet<&str> = shards.iter().map(|s| s.sha256.as_str()).collect();
-            for shard in exports::store::shards::all(pool, previous_job.id).await? {
-                if now_has.contains(shard.sha256.as_str()) {
-                    had.insert(shard.sha256);
-                    continue;
-                }
-                // The removed file is read at the version before; it is removed by this one.
-                let mut action = links.action(previous, &previous_job, &previous_columns, &shard);
-                action.version = version.version;
-                action.timestamp = millis(version);
-                body.push_str(&action.line(FileKind::Remove));
+        let Some(previous) = index.checked_sub(1).map(|i| &versions[i]) else {
+            for shard in &shards {
+                body.push_str(&links.action(version, &job, &columns, shard).line(FileKind::Add));
                 files += 1;
             }
+            continue;
+        };
+        let (previous_job, previous_columns) = version_export(&state, &caller, previous).await?;
+        let before = exports::store::shards::all(pool, previous_job.id).await?;
+        let (removed, added) = crate::sharing::file_diff(&before, &shards, |s| s.sha256.as_str());
+        for shard in removed {
+            // The removed file is read at the version before; it is removed by this one.
+            let mut action = links.action(previous, &previous_job, &previous_columns, shard);
+            action.version = version.version;
+            action.timestamp = millis(version);
+            body.push_str(&action.line(FileKind::Remove));
+            files += 1;
         }
-        for shard in shards.iter().filter(|s| !had.contains(&s.sha256)) {
+        for shard in added {
             body.push_str(&links.action(version, &job, &columns, shard).line(FileKind::Add));
             files += 1;
         }

@@ -25,7 +25,10 @@ pub(super) async fn write(deps: &WorkerDeps, job: &ExportJob, plan: &Plan) -> an
     let Some(tenant) = deps.registry.get(&job.tenant) else { return Ok(None) };
     let kept = time::Duration::days(i64::from(tenant.retention.tombstone_days));
     let history_from = time::OffsetDateTime::now_utc() - kept + HISTORY_MARGIN;
-    let Some(from) = changes::predecessor(&deps.pool, job.id, history_from).await? else { return Ok(None) };
+    let Some(from) = crate::exports::store::facts::table_version_predecessor(&deps.pool, job.id, history_from).await?
+    else {
+        return Ok(None);
+    };
     let key = changes::object_key(&job.tenant, job.id, from.version);
     let spec = changes::spec(&plan.shard_spec, from.version);
     let mut served = plan.shard_spec.comparer().map_err(anyhow::Error::msg)?;

@@ -8,6 +8,7 @@ use super::plan::Plan;
 use crate::exports::store::lease::{self, Fence, LeaseLost, Refused};
 use crate::exports::{ExportJob, ExportState};
 use crate::quota::{self, RefusalKind};
+use crate::served::{ServedView, ViewChanged};
 use crate::tenants::TenantId;
 use crate::writers::DoesNotFit;
 
@@ -41,16 +42,12 @@ pub(super) fn authorized(deps: &WorkerDeps, job: &ExportJob, plan: &Plan) -> Res
     if principal.disabled {
         return Err("the principal is disabled".into());
     }
-    if tenant.dataset(&job.dataset).is_none() || !principal.is_granted(&plan.dataset) {
-        return Err("the dataset is no longer granted to the principal".into());
-    }
-    if principal.row_filter_json() != plan.row_filter {
-        return Err("the principal's row filter changed".into());
-    }
-    if principal.policy_fingerprint(&job.dataset) != job.column_policy.as_deref() {
-        return Err("the principal's column policy changed".into());
-    }
-    Ok(())
+    let view = ServedView::of(tenant, principal, &job.dataset)
+        .map_err(|_| "the dataset is no longer granted to the principal".to_owned())?;
+    view.check_cut(&plan.row_filter, job.column_policy.as_deref()).map_err(|changed| match changed {
+        ViewChanged::RowFilter => "the principal's row filter changed".to_owned(),
+        ViewChanged::ColumnPolicy => "the principal's column policy changed".to_owned(),
+    })
 }
 
 /// The failure a refused checkpoint means (`None`: the lease was lost, nothing to fail). A

@@ -9,6 +9,7 @@ mod heartbeat;
 mod helper;
 mod plan;
 mod planner;
+mod publication;
 mod runner;
 mod shard;
 mod shard_task;

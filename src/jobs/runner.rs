@@ -9,6 +9,7 @@ use super::ending::{self, authorized};
 use super::heartbeat::Heartbeat;
 use super::plan::{self, Plan};
 use super::planner::{self, Appended};
+use super::publication::Consequences;
 use super::shard_task::{ShardTask, Written};
 use crate::exports::store::lease::{self, Fence, Lease, LeaseLost, Publication, Refused};
 use crate::exports::store::plan::{self as shard_plan, NewShard, PlannedShard};
@@ -484,12 +485,14 @@ impl ClaimedExport {
             file_bytes: manifest.file.as_ref().map(|f| f.bytes as i64),
             file_sha256: manifest.file.as_ref().map(|f| f.sha256.as_str()),
             artifact_hours,
+        };
+        let then = Consequences {
             // An incremental export advances the principal's stored cursor as it succeeds.
             stored_cursor: self.plan.chain.as_ref().and(manifest.next_cursor.as_deref()),
             next_cursor: manifest.next_cursor.as_deref(),
             changes: changes.as_ref(),
         };
-        match lease::publish(&self.deps.pool, self.lease, &publication).await? {
+        match super::publication::publish(&self.deps.pool, self.lease, &publication, &then).await? {
             Ok(()) => {
                 let started = self.job.started_at.unwrap_or(self.job.created_at);
                 let seconds = (time::OffsetDateTime::now_utc() - started).as_seconds_f64().max(0.0);

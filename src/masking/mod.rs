@@ -7,21 +7,16 @@
 //! A policy's fingerprint is frozen into every export and cursor cut under it, so once the
 //! policy changes, old files and cursors are refused like those of a changed row filter.
 
-mod hasher;
-mod rule;
-
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-pub use hasher::{ColumnHasher, HashPads};
-pub use rule::{ColumnRule, MAX_TRUNCATE};
+pub use crate::dataset::{ColumnHasher, ColumnRule, HashPads, MAX_TRUNCATE};
 
+use crate::dataset::{Cell, ColumnName, DatasetSchema, OutputColumn};
 use crate::records::KeyOrder;
-use crate::tenants::{ColumnName, DatasetSchema};
-use crate::writers::{Cell, OutputColumn};
 
 /// One partner's rules for one dataset, checked against its schema.
 #[derive(Debug, Clone)]
@@ -76,7 +71,7 @@ impl ColumnPolicy {
         };
         let key_id = hasher.as_ref().map(ColumnHasher::key_id);
         let declared = serde_json::json!({"rules": rules, "key_id": key_id});
-        let fingerprint = crate::writers::sha256_hex(declared.to_string().as_bytes())[..16].to_owned();
+        let fingerprint = crate::dataset::sha256_hex(declared.to_string().as_bytes())[..16].to_owned();
         Ok(ColumnPolicy { key_column: schema.key_column.clone(), rules, hasher, fingerprint })
     }
 
@@ -126,7 +121,7 @@ impl ColumnPolicy {
             }
             Some(rule) => Some(OutputColumn {
                 ty: match rule {
-                    ColumnRule::Hash => crate::tenants::ColumnType::String,
+                    ColumnRule::Hash => crate::dataset::ColumnType::String,
                     _ => column.ty,
                 },
                 required: false,

@@ -7,7 +7,7 @@ use sqlx::PgPool;
 use sqlx::types::Json;
 
 use super::{Record, in_key_order};
-use crate::tenants::{DatasetName, TenantId};
+use crate::dataset::{DatasetName, TenantId};
 
 /// Versions an exact count reads at most; a larger dataset is sampled instead.
 pub const EXACT_COUNT_LIMIT: i64 = 50_000;

@@ -15,7 +15,7 @@ use sqlx::postgres::PgArguments;
 use sqlx::query::QueryAs;
 use sqlx::{PgPool, Postgres};
 
-use crate::tenants::{DatasetName, TenantId};
+use crate::dataset::{DatasetName, TenantId};
 
 /// SQLSTATE raised by the SQL write functions for a record that does not fit its dataset.
 pub const INVALID_RECORD_SQLSTATE: &str = "EXD01";
@@ -307,5 +307,15 @@ fn non_null(filter: &Value) -> Option<&Value> {
         Value::Null => None,
         Value::Object(map) if map.is_empty() => None,
         other => Some(other),
+    }
+}
+/// The record's JSON object with a string field `name` = `value` first (both plain names,
+/// nothing to escape).
+pub fn with_leading_field(name: &str, value: &str, data: &str) -> String {
+    let rest = data.trim_start().strip_prefix('{').unwrap_or("}").trim_start();
+    if rest.starts_with('}') {
+        format!("{{\"{name}\":\"{value}\"}}")
+    } else {
+        format!("{{\"{name}\":\"{value}\",{rest}")
     }
 }

@@ -6,7 +6,7 @@
 
 use sqlx::{PgPool, Postgres, Transaction};
 
-use crate::masking::ColumnHasher;
+use crate::dataset::ColumnHasher;
 
 #[derive(Debug, Clone, Copy)]
 pub enum KeyOrder<'a> {

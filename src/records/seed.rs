@@ -10,7 +10,7 @@ use anyhow::Context;
 use serde_json::{Map, Value, json};
 use sqlx::PgPool;
 
-use crate::tenants::{ColumnType, DatasetSchema, TenantId};
+use crate::dataset::{ColumnType, DatasetSchema, TenantId};
 
 const COPY_CHUNK_BYTES: usize = 1 << 20;
 /// Seeds at least this large are analyzed at once (reads do not depend on it; plans elsewhere may).

@@ -3,8 +3,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::masking::{ColumnPolicy, ColumnRule};
-use crate::tenants::{Column, ColumnType, DatasetSchema};
+use crate::dataset::ColumnRule;
+use crate::dataset::{Column, ColumnType, DatasetSchema};
+use crate::masking::ColumnPolicy;
 
 /// One difference between two schemas, as recorded with the newer one and told to partners.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

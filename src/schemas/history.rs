@@ -5,7 +5,7 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 
 use super::{ColumnChange, SchemaVersion};
-use crate::tenants::DatasetSchema;
+use crate::dataset::DatasetSchema;
 
 /// One `dataset_schemas` row: a version and the schema it was.
 pub struct Recorded {

@@ -7,8 +7,8 @@
 
 mod change;
 mod history;
-mod record;
 mod seen;
+pub(crate) mod versioning;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -18,11 +18,10 @@ use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
 
 pub use change::{ColumnChange, as_seen, classify};
-pub use history::{HistoryEntry, history};
-pub use record::register;
+pub use history::{HistoryEntry, Recorded, history};
 pub use seen::{columns_seen, served_columns, served_sha256, sha256_seen};
 
-use crate::tenants::{ColumnName, DatasetName, DatasetSchema};
+use crate::dataset::{ColumnName, DatasetName, DatasetSchema};
 
 /// `major.minor`: the major is the dataset file's declared `version`; the minor counts the
 /// compatible changes recorded since.
@@ -127,6 +126,11 @@ impl DatasetVersions {
 
     /// The schema a partner pinned to `pin` (a major) receives: that major's newest version if
     /// it is older than the current one, else the current one.
+    /// Whether `major` was published (the current one or an older one kept for pins).
+    pub fn has_major(&self, major: u32) -> bool {
+        major == self.current.version.major || self.older.contains_key(&major)
+    }
+
     pub fn served(&self, pin: Option<u32>) -> &ServedSchema {
         pin.and_then(|major| self.older.get(&major)).unwrap_or(&self.current)
     }

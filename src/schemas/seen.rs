@@ -7,9 +7,9 @@
 use serde_json::json;
 
 use super::ServedSchema;
+use crate::dataset::DatasetSchema;
+use crate::dataset::OutputColumn;
 use crate::masking::ColumnPolicy;
-use crate::tenants::DatasetSchema;
-use crate::writers::OutputColumn;
 
 /// The key column, then `schema`'s columns, as a caller under `policy` receives them.
 pub fn columns_seen(schema: &DatasetSchema, policy: Option<&ColumnPolicy>) -> Vec<OutputColumn> {
@@ -40,7 +40,7 @@ pub fn sha256_seen(dataset: &str, declared: &str, seen: &[OutputColumn], policy:
         Some(_) => {
             // A Value's objects keep their keys sorted (serde_json without preserve_order).
             let document = json!({"dataset": dataset, "columns": seen});
-            crate::writers::sha256_hex(&serde_json::to_vec(&document).expect("serializable"))
+            crate::dataset::sha256_hex(&serde_json::to_vec(&document).expect("serializable"))
         }
     }
 }

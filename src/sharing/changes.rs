@@ -16,7 +16,6 @@ use crate::records::KeyOrder;
 use futures_util::stream::BoxStream;
 use serde_json::Value;
 use sqlx::PgPool;
-use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::records::Record;
@@ -44,36 +43,6 @@ pub struct Predecessor {
     pub version: i64,
     /// Its export's snapshot.
     pub watermark: String,
-}
-
-/// The table version the export `export_id` (not yet published) would follow, if a change file
-/// can be written from it: the export is a table version (see `exportd_is_table_version`), the
-/// latest version's snapshot is older than the export's, it was cut with the same columns, row
-/// filter and column policy, and its snapshot is newer than `history_from` (older history may
-/// be collected: its changes answer as whole files instead).
-pub async fn predecessor(
-    pool: &PgPool,
-    export_id: Uuid,
-    history_from: OffsetDateTime,
-) -> sqlx::Result<Option<Predecessor>> {
-    sqlx::query_as!(
-        Predecessor,
-        r#"SELECT s.version, p.watermark::text AS "watermark!"
-           FROM export_jobs j
-           JOIN LATERAL (SELECT version, export_id, snapshot_at FROM share_versions
-                         WHERE tenant = j.tenant AND principal = j.principal AND dataset = j.dataset
-                         ORDER BY version DESC LIMIT 1) s ON true
-           JOIN export_jobs p ON p.id = s.export_id
-           WHERE j.id = $1 AND exportd_is_table_version(j.mode, j.format, j.request)
-             AND s.snapshot_at < j.created_at AND s.snapshot_at > $2
-             AND p.columns = j.columns AND p.row_filter = j.row_filter
-             AND p.column_policy IS NOT DISTINCT FROM j.column_policy
-             AND p.schema_sha256 = j.schema_sha256"#,
-        export_id,
-        history_from,
-    )
-    .fetch_optional(pool)
-    .await
 }
 
 /// Where the change file of export `export_id` from version `from` lives: in the export's own
@@ -126,7 +95,7 @@ impl KeyChange {
 
 /// The record's JSON object with `_change_type` first.
 fn with_change_type(kind: &str, data: &str) -> String {
-    crate::exports::with_leading_field(CHANGE_TYPE_COLUMN, kind, data)
+    crate::records::with_leading_field(CHANGE_TYPE_COLUMN, kind, data)
 }
 
 /// Every key of `dataset` whose live version at snapshot `to` was written by a transaction that

@@ -17,7 +17,8 @@ use sha2::{Digest, Sha256};
 pub use changes::ChangeFile;
 pub use protocol::{FileAction, FileKind, TableMetadata, file_stats, schema_string};
 pub use versions::{
-    FAILOVER_SKIP, ShareVersion, VersionError, Which, change_range, record_version, resolve, version_at_or_after,
+    FAILOVER_SKIP, NewVersion, ShareVersion, VersionError, Which, change_range, file_diff, record_version, resolve,
+    version_at_or_after,
 };
 
 use crate::auth::Caller;

@@ -85,24 +85,28 @@ fn next_number(latest: Option<(i64, i32)>, timeline: i32) -> (i64, Option<i64>) 
     }
 }
 
-/// Makes the export `export_id`, published in `tx`, the next version of its principal's table
-/// when it is one (`exportd_is_table_version`) whose snapshot is newer than the table's latest
-/// version (an export that publishes after a newer one would take the table back in time: it
-/// stays an export only). `changes`, written from the version that was latest when its worker
-/// looked, is recorded with it if that version is still the one before it. Returns the version.
+/// An export publishing as a table version: a full Parquet export of the whole dataset
+/// (`exportd_is_table_version`).
+#[derive(Debug)]
+pub struct NewVersion<'a> {
+    pub tenant: &'a str,
+    pub principal: &'a str,
+    pub dataset: &'a str,
+    pub export_id: Uuid,
+    /// When its snapshot was taken: the version's Delta timestamp.
+    pub snapshot_at: OffsetDateTime,
+}
+
+/// Makes the export of `job`, published in `tx`, the next version of its principal's table when
+/// its snapshot is newer than the table's latest version (an export that publishes after a
+/// newer one would take the table back in time: it stays an export only). `changes`, written
+/// from the version that was latest when its worker looked, is recorded with it if that version
+/// is still the one before it. Returns the version.
 pub async fn record_version(
     tx: &mut Transaction<'_, Postgres>,
-    export_id: Uuid,
+    job: &NewVersion<'_>,
     changes: Option<&ChangeFile>,
 ) -> sqlx::Result<Option<i64>> {
-    let job = sqlx::query!(
-        "SELECT tenant, principal, dataset, created_at FROM export_jobs
-         WHERE id = $1 AND exportd_is_table_version(mode, format, request)",
-        export_id,
-    )
-    .fetch_optional(&mut **tx)
-    .await?;
-    let Some(job) = job else { return Ok(None) };
     // Publications of one table take their numbers one at a time.
     sqlx::query!(
         "SELECT pg_advisory_xact_lock(hashtext('exportd.share_versions'), hashtext($1 || '/' || $2 || '/' || $3))",
@@ -124,7 +128,7 @@ pub async fn record_version(
     )
     .fetch_one(&mut **tx)
     .await?;
-    if now.snapshot_at.is_some_and(|latest| latest >= job.created_at) {
+    if now.snapshot_at.is_some_and(|latest| latest >= job.snapshot_at) {
         return Ok(None);
     }
     let latest = now.version.zip(now.published_on);
@@ -141,8 +145,8 @@ pub async fn record_version(
         job.dataset,
         number,
         skipped_from,
-        export_id,
-        job.created_at,
+        job.export_id,
+        job.snapshot_at,
         changes.map(|c| c.from_version),
         changes.map(|c| c.object_key.clone()),
         changes.map(|c| c.rows),
@@ -325,6 +329,18 @@ pub async fn version_at_or_after(
     }
 }
 
+/// What a version without a change file changed, file by file (by `id`, a file's sha256): the
+/// files of the version `before` that it no longer has (their rows are deletes) and its own
+/// that `before` did not have (inserts), each in its version's order. Applying both by key to
+/// `before` gives `after` exactly.
+pub fn file_diff<'a, T>(before: &'a [T], after: &'a [T], id: impl Fn(&T) -> &str) -> (Vec<&'a T>, Vec<&'a T>) {
+    let after_ids: std::collections::HashSet<&str> = after.iter().map(&id).collect();
+    let before_ids: std::collections::HashSet<&str> = before.iter().map(&id).collect();
+    let removed = before.iter().filter(|f| !after_ids.contains(id(f))).collect();
+    let added = after.iter().filter(|f| !before_ids.contains(id(f))).collect();
+    (removed, added)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -338,5 +354,18 @@ mod tests {
         assert_eq!(skipped_from, Some(5), "the lost history may have published 5 and on");
         assert_eq!(number, 5 + FAILOVER_SKIP);
         assert_eq!(next_number(Some((number, 2)), 2), (number + 1, None), "and counts on from there");
+    }
+
+    #[test]
+    fn a_version_without_a_change_file_removes_what_it_lost_and_adds_what_is_new() {
+        let files = |ids: &[&str]| ids.iter().map(|id| id.to_string()).collect::<Vec<_>>();
+        let (before, after) = (files(&["a", "b", "c"]), files(&["b", "d", "c", "e"]));
+        let (removed, added) = file_diff(&before, &after, String::as_str);
+        assert_eq!((removed, added), (vec![&before[0]], vec![&after[1], &after[3]]));
+        let same = files(&["a"]);
+        let (removed, added) = file_diff(&same, &same, String::as_str);
+        assert!(removed.is_empty() && added.is_empty(), "an unchanged file is neither");
+        let (removed, added) = file_diff(&[], &after, String::as_str);
+        assert_eq!((removed.len(), added.len()), (0, 4));
     }
 }

@@ -1,10 +1,10 @@
 //! Tenants: one `tenants/<id>.toml` per tenant plus shared dataset schemas in `tenants/datasets/`.
 //! Loaded and validated once at start-up; any error names the file and the field.
 
-mod dataset;
+mod catalogue;
 mod destinations;
 mod file;
-mod names;
+mod registration;
 mod settings;
 mod webhooks;
 
@@ -13,12 +13,13 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use dataset::{Column, ColumnType, DatasetSchema};
+pub use catalogue::sync_catalogue;
 pub use destinations::{Destination, SecretRef, Subscription};
-pub use names::{ColumnName, DatasetName, PrincipalId, TenantId};
+pub use registration::register;
 pub use settings::{Auth, Feeds, Quota, Retention};
 pub use webhooks::{WebhookEndpoint, WebhookEvent};
 
+pub use crate::dataset::{Column, ColumnName, ColumnType, DatasetName, DatasetSchema, PrincipalId, TenantId};
 use crate::schemas::{DatasetVersions, SchemaCatalog, ServedSchema};
 
 /// A configuration error: which file, which field, what is wrong.

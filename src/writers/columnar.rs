@@ -31,10 +31,11 @@ use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use serde::{Deserialize, Serialize};
 use time::format_description::well_known::Rfc3339;
 
-use super::cell::{Cell, Fields};
+use super::cell::Fields;
 use super::pipe::Pipe;
 use super::{HashingWriter, OutputColumn, ShardSpec};
-use crate::tenants::ColumnType;
+use crate::dataset::Cell;
+use crate::dataset::ColumnType;
 
 /// A batch is cut at this many rows ...
 const BATCH_ROWS: usize = 8192;

@@ -100,7 +100,7 @@ impl RowEncoder for CsvEncoder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tenants::ColumnType;
+    use crate::dataset::ColumnType;
     use crate::writers::cell::FieldIndex;
 
     /// The same record through the csv crate's own writer, with the same settings.

@@ -2,8 +2,8 @@
 
 use std::borrow::Cow;
 
-use super::cell::Cell;
-use crate::tenants::ColumnType;
+use crate::dataset::Cell;
+use crate::dataset::ColumnType;
 
 /// Characters that make spreadsheet software treat a cell as a formula, including the
 /// full-width look-alikes some spreadsheets normalise.

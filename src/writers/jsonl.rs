@@ -5,8 +5,9 @@ use std::io;
 
 use super::Codec;
 use super::OutputColumn;
-use super::cell::{Cell, Fields};
+use super::cell::Fields;
 use super::format::{FormatSpec, Framing, RowEncoder};
+use crate::dataset::Cell;
 
 pub const SPEC: FormatSpec = FormatSpec {
     name: "jsonl",

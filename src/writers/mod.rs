@@ -22,84 +22,21 @@ mod pipe;
 
 use std::io::{self, Write};
 
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-pub use cell::{Cell, FieldIndex, Fields};
+pub use crate::dataset::Cell;
+pub use cell::{FieldIndex, Fields};
 pub use codec::Codec;
 pub use columnar::{ColumnStats, DoesNotFit, FileColumn};
 pub use escape::{csv_cell, escape_formula};
 pub use format::{Format, FormatSpec, Framing, RowEncoder};
 
-use crate::masking::{ColumnHasher, ColumnMasks, ColumnRule};
-use crate::tenants::{Column, ColumnType};
+use crate::dataset::ColumnHasher;
+pub use crate::dataset::{OutputColumn, sha256_hex};
+use crate::masking::ColumnMasks;
 use columnar::ColumnarShard;
 use compressor::Compressor;
 use gzip::Part;
-
-/// One output column: the key column comes first, then the selected dataset columns.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct OutputColumn {
-    pub name: String,
-    #[serde(rename = "type")]
-    pub ty: ColumnType,
-    /// Never null: the key, `_op`, and a full export's required columns (Parquet declares them
-    /// REQUIRED).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub required: bool,
-    /// A number column's declared `DECIMAL(precision, scale)` (see the dataset file).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub precision: Option<u8>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub scale: Option<u8>,
-    /// The rule of the partner's column policy its values went through (`null`, `truncate(n)`,
-    /// `hash`); a dropped column is not there at all.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub masked: Option<ColumnRule>,
-    /// A column of a partner's pinned (older) schema version that the current version removed
-    /// or retyped: always null.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub retired: bool,
-}
-
-impl OutputColumn {
-    /// The record key's column (or `_op`): text, never null.
-    pub fn key(name: &str) -> Self {
-        OutputColumn {
-            name: name.to_owned(),
-            ty: ColumnType::String,
-            required: true,
-            precision: None,
-            scale: None,
-            masked: None,
-            retired: false,
-        }
-    }
-
-    /// A dataset column as declared.
-    pub fn of(column: &Column) -> Self {
-        OutputColumn {
-            name: column.name.to_string(),
-            ty: column.ty,
-            required: column.required,
-            precision: column.precision,
-            scale: column.scale,
-            masked: None,
-            retired: false,
-        }
-    }
-
-    /// Makes this a retired column of a pinned schema: nullable, always null.
-    pub fn retire(&mut self) {
-        self.retired = true;
-        self.required = false;
-    }
-
-    /// `(precision, scale)` of a number column declared as a decimal.
-    pub fn decimal(&self) -> Option<(u8, u8)> {
-        self.precision.map(|p| (p, self.scale.unwrap_or(0)))
-    }
-}
 
 /// What every shard of an export is written as, fixed when the export is created.
 #[derive(Debug, Clone)]
@@ -271,14 +208,10 @@ impl<W: Write> Write for HashingWriter<W> {
     }
 }
 
-/// Lowercase hex sha256 of `bytes`.
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    hex::encode(Sha256::digest(bytes))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dataset::ColumnType;
     use flate2::read::GzDecoder;
     use serde_json::json;
     use std::io::Read;

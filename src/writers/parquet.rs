@@ -19,7 +19,7 @@ use serde_json::Value;
 use super::columnar::{BatchWriter, ColumnStats, FileColumn, arrow_schema};
 use super::format::{FormatSpec, Framing};
 use super::{Codec, OutputColumn, ShardSpec};
-use crate::tenants::ColumnType;
+use crate::dataset::ColumnType;
 
 pub const SPEC: FormatSpec = FormatSpec {
     name: "parquet",

@@ -5,9 +5,11 @@ use std::collections::{BTreeMap, HashMap};
 
 use sqlx::{PgConnection, PgExecutor, PgPool};
 use time::OffsetDateTime;
+use uuid::Uuid;
 
 use crate::auth::Caller;
 use crate::exports::{ExportState, Mode};
+use crate::sharing::changes::Predecessor;
 
 /// The tenant's exports per state.
 pub async fn states(pool: &PgPool, tenant: &str) -> sqlx::Result<BTreeMap<String, i64>> {
@@ -255,5 +257,35 @@ pub async fn gauges(conn: &mut PgConnection, tenants: &[String]) -> sqlx::Result
         tenants,
     )
     .fetch_all(conn)
+    .await
+}
+
+/// The table version the export `export_id` (not yet published) would follow, if a change file
+/// can be written from it: the export is a table version (see `exportd_is_table_version`), the
+/// latest version's snapshot is older than the export's, it was cut with the same columns, row
+/// filter and column policy, and its snapshot is newer than `history_from` (older history may
+/// be collected: its changes answer as whole files instead).
+pub async fn table_version_predecessor(
+    pool: &PgPool,
+    export_id: Uuid,
+    history_from: OffsetDateTime,
+) -> sqlx::Result<Option<Predecessor>> {
+    sqlx::query_as!(
+        Predecessor,
+        r#"SELECT s.version, p.watermark::text AS "watermark!"
+           FROM export_jobs j
+           JOIN LATERAL (SELECT version, export_id, snapshot_at FROM share_versions
+                         WHERE tenant = j.tenant AND principal = j.principal AND dataset = j.dataset
+                         ORDER BY version DESC LIMIT 1) s ON true
+           JOIN export_jobs p ON p.id = s.export_id
+           WHERE j.id = $1 AND exportd_is_table_version(j.mode, j.format, j.request)
+             AND s.snapshot_at < j.created_at AND s.snapshot_at > $2
+             AND p.columns = j.columns AND p.row_filter = j.row_filter
+             AND p.column_policy IS NOT DISTINCT FROM j.column_policy
+             AND p.schema_sha256 = j.schema_sha256"#,
+        export_id,
+        history_from,
+    )
+    .fetch_optional(pool)
     .await
 }

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use sqlx::PgPool;
+use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
 use super::plan::{Progress, ShardLease};
@@ -296,27 +296,41 @@ pub struct Publication<'a> {
     pub file_sha256: Option<&'a str>,
     /// The export expires this many hours after publishing.
     pub artifact_hours: u32,
-    /// Incremental exports: the cursor to store for the principal and dataset.
-    pub stored_cursor: Option<&'a str>,
-    /// The manifest's `next_cursor`: where a subscription's chain goes on from this export.
-    pub next_cursor: Option<&'a str>,
-    /// Table versions: what changed since the version before (Delta Sharing).
-    pub changes: Option<&'a crate::sharing::ChangeFile>,
 }
 
-/// RUNNING → SUCCEEDED with the manifest, only under this lease and once every planned shard is
-/// recorded. `Err(LeaseLost)` also when a cancel request won the race: the caller then looks at
-/// the state.
-pub async fn publish(pool: &PgPool, lease: Lease, p: &Publication<'_>) -> sqlx::Result<Result<(), LeaseLost>> {
-    let mut tx = pool.begin().await?;
-    let published = sqlx::query!(
-        "UPDATE export_jobs SET state = 'SUCCEEDED', manifest = $3, manifest_sha256 = $4,
+/// The export as its publication left it: what else its publication makes true is decided by
+/// the worker composing it (a subscription's chain, the stored cursor, a table version).
+#[derive(Debug)]
+pub struct Published {
+    pub tenant: String,
+    pub principal: String,
+    pub dataset: String,
+    pub subscription_id: Option<Uuid>,
+    /// A full Parquet export of the whole dataset (`exportd_is_table_version`): the next version
+    /// of the principal's shared table.
+    pub is_table_version: bool,
+    /// When its snapshot was taken.
+    pub created_at: time::OffsetDateTime,
+}
+
+/// RUNNING → SUCCEEDED with the manifest in `tx`, only under this lease and once every planned
+/// shard is recorded; the shard plan is forgotten with it. `Err(LeaseLost)` also when a cancel
+/// request won the race: the caller then looks at the state.
+pub async fn publish(
+    tx: &mut Transaction<'_, Postgres>,
+    lease: Lease,
+    p: &Publication<'_>,
+) -> sqlx::Result<Result<Published, LeaseLost>> {
+    let published = sqlx::query_as!(
+        Published,
+        r#"UPDATE export_jobs SET state = 'SUCCEEDED', manifest = $3, manifest_sha256 = $4,
              shards_done = $5, rows_done = $6, bytes_done = $7, file_bytes = $8, file_sha256 = $9,
              published_at = now(), expires_at = now() + $10 * interval '1 hour',
              finished_at = now(), lease_owner = NULL, lease_expires_at = NULL
          WHERE id = $1 AND lease_generation = $2 AND state = 'RUNNING'
            AND plan_complete AND shards_done >= planned_shards
-         RETURNING tenant, principal, dataset, subscription_id",
+         RETURNING tenant, principal, dataset, subscription_id, created_at,
+                   exportd_is_table_version(mode, format, request) AS "is_table_version!""#,
         lease.job_id,
         lease.generation,
         p.manifest,
@@ -328,26 +342,13 @@ pub async fn publish(pool: &PgPool, lease: Lease, p: &Publication<'_>) -> sqlx::
         p.file_sha256,
         f64::from(p.artifact_hours),
     )
-    .fetch_optional(&mut *tx)
+    .fetch_optional(&mut **tx)
     .await?;
-    let Some(job) = published else {
+    let Some(published) = published else {
         return Ok(Err(LeaseLost));
     };
-    match (job.subscription_id, p.stored_cursor) {
-        // A subscription's export moves the subscription's chain, never the principal's own
-        // cursor: the partner's pulls and the scheduled deliveries do not skip each other's changes.
-        (Some(subscription), _) => crate::delivery::advance_chain(&mut tx, subscription, p.next_cursor).await?,
-        (None, Some(cursor)) => {
-            crate::exports::store_cursor(&mut tx, &job.tenant, &job.principal, &job.dataset, cursor).await?
-        }
-        (None, None) => {}
-    }
-    // A full Parquet export of the whole dataset is also the next version of the principal's
-    // shared table (Delta Sharing), in the same transaction as its publication.
-    crate::sharing::record_version(&mut tx, lease.job_id, p.changes).await?;
-    sqlx::query!("DELETE FROM export_shard_plan WHERE export_id = $1", lease.job_id).execute(&mut *tx).await?;
-    tx.commit().await?;
-    Ok(Ok(()))
+    sqlx::query!("DELETE FROM export_shard_plan WHERE export_id = $1", lease.job_id).execute(&mut **tx).await?;
+    Ok(Ok(published))
 }
 
 /// Whose right a terminal write is made under: the job's lease holder, or the writer of one of

@@ -9,6 +9,7 @@ use crate::audit::AuditEntry;
 use crate::delivery::store::Lag;
 use crate::exports::{ExportJob, ShardRecord};
 use crate::quota::RefusalKind;
+use crate::served::ServedView;
 use crate::tenants::Tenant;
 use crate::usage::Usage;
 use crate::usage::history::Point;
@@ -406,17 +407,16 @@ impl Overview<'_> {
     /// holds it on an older major than the current one.
     fn schema_versions(&self, principal: &str) -> Markup {
         let Some(principal) = self.tenant.principal(principal) else { return html! {} };
-        let granted = self.tenant.datasets.keys().filter(|name| principal.is_granted(name));
+        let tenant = self.tenant;
+        let views = tenant.datasets.keys().filter_map(|name| ServedView::of(tenant, principal, name.as_str()).ok());
         html! {
-            @for dataset in granted {
-                @if let Some(versions) = self.tenant.versions(dataset.as_str()) {
-                    @let served = versions.served(principal.schema_pin(dataset.as_str()));
-                    div data-schema=(format!("{}/{}", principal.id, dataset)) {
-                        code { (dataset) } " " (served.version.to_string())
-                        @if let Some(major) = self.tenant.effective_pin(dataset.as_str(), principal) {
-                            " " span.pinned data-pinned=(major) { "pinned to " (major) } " (current "
-                            (versions.current.version.to_string()) ")"
-                        }
+            @for view in views {
+                @let dataset = view.name();
+                div data-schema=(format!("{}/{}", principal.id, dataset)) {
+                    code { (dataset) } " " (view.schema.version.to_string())
+                    @if let Some(major) = tenant.effective_pin(dataset.as_str(), principal) {
+                        " " span.pinned data-pinned=(major) { "pinned to " (major) } " (current "
+                        (view.current_version().to_string()) ")"
                     }
                 }
             }

@@ -39,8 +39,8 @@ pub async fn prepare_db(pool: &PgPool) -> Arc<Registry> {
 /// [`prepare_db`] with the tenant files of `dir`: an error is what start-up would refuse.
 pub async fn prepare_db_from(pool: &PgPool, dir: &Path) -> anyhow::Result<Arc<Registry>> {
     let mut registry = Registry::load(dir)?;
-    let versions = exportd::schemas::register(pool, &registry, dir).await?;
-    exportd::db::sync_catalogue(pool, &registry).await?;
+    let versions = exportd::tenants::register(pool, &registry, dir).await?;
+    exportd::tenants::sync_catalogue(pool, &registry).await?;
     registry.set_schema_versions(versions);
     Ok(Arc::new(registry))
 }

@@ -6,7 +6,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::tenants::{Column, ColumnType};
+use super::schema::{Column, ColumnType};
 
 /// The most characters `truncate(n)` may keep (beyond that it hides nothing).
 pub const MAX_TRUNCATE: u32 = 1_000_000;

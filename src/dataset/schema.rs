@@ -138,7 +138,7 @@ impl DatasetSchema {
     /// sha256 of the schema as declared (name, key column, columns with their types), frozen
     /// into each export and written into Parquet footers.
     pub fn sha256(&self) -> String {
-        crate::writers::sha256_hex(&serde_json::to_vec(self).expect("serializable"))
+        super::sha256_hex(&serde_json::to_vec(self).expect("serializable"))
     }
 }
 
