@@ -27,6 +27,7 @@ mod quotas;
 mod record_store;
 mod restarts;
 mod schema_versions;
+mod served_view;
 mod sharing;
 mod slow_clients;
 mod standbys;
