@@ -126,6 +126,11 @@ async fn fetch(
         }
         let response = ok(request.send().await?).await.with_context(|| format!("downloading {}", entry.name))?;
         let append = response.status() == StatusCode::PARTIAL_CONTENT;
+        if append {
+            say(bars, &format!("{}: resuming after the {have} bytes already downloaded", entry.name))?;
+        } else if have > 0 {
+            say(bars, &format!("{}: the file changed on the server; downloading it again", entry.name))?;
+        }
         if !append {
             bar.set_position(0); // the server sent the whole file: the validator changed, or no ranges
         }
@@ -207,6 +212,16 @@ pub async fn file_sha256(path: &Path) -> anyhow::Result<Option<String>> {
             return Ok(Some(hex::encode(hasher.finalize())));
         }
         hasher.update(&buf[..n]);
+    }
+}
+
+/// A line above the progress bars, or on stderr when they are not drawn (not a terminal).
+fn say(bars: &MultiProgress, line: &str) -> std::io::Result<()> {
+    if bars.is_hidden() {
+        eprintln!("{line}");
+        Ok(())
+    } else {
+        bars.println(line)
     }
 }
 

@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # What a run of scripts/test may leave behind outside ./data and ./target: databases and the
-# `_sqlx_test` bookkeeping schema on the PostgreSQL server, private clusters in the temporary
-# directory, programs installed into ~/.cargo/bin, exportd and SeaweedFS processes. scripts/test
+# `_sqlx_test` bookkeeping schema on the PostgreSQL server, private clusters, SeaweedFS sockets
+# and logs in the temporary directory, programs installed into ~/.cargo/bin, exportd and
+# SeaweedFS processes. scripts/test
 # notes them before the run and fails a green run that left any new one (a failed run keeps its
 # test databases on purpose: sqlx keeps them for a look).
 
@@ -9,6 +10,7 @@
 leftovers_outside() {
   local tmp="${TMPDIR:-/tmp}"
   ls -d "$tmp"/exportd-pg.* /var/tmp/exportd-pg-* 2>/dev/null | sed 's/^/cluster /' || true
+  ls -d "$tmp"/seaweedfs-* "$tmp"/weed.* 2>/dev/null | sed 's/^/temp /' || true
   ls "${CARGO_HOME:-$HOME/.cargo}/bin" 2>/dev/null | sed 's/^/installed /' || true
   pgrep -a -f '(^|/)(exportd|weed) ' 2>/dev/null | grep -v pgrep | sed -E 's/^[0-9]+ /process /' || true
 }

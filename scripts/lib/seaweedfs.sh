@@ -72,9 +72,13 @@ start_weed() {
   rm -rf "$dir" && mkdir -p "$dir"
   echo "starting SeaweedFS (S3 on $endpoint, data in $dir)"
   # Every port is set (its defaults collide with common services); gRPC ports are explicit
-  # because the default (+10000) could leave the port range.
+  # because the default (+10000) could leave the port range. Its log files and the Unix sockets
+  # it would leave in /tmp after stopping go into its own directory (a socket path must stay
+  # under 108 bytes: a very deep clone keeps the default).
+  local sockets=()
+  [ ${#dir} -lt 90 ] && sockets=(-s3.localSocket="$dir/s3.sock" -filer.localSocket="$dir/filer.sock")
   AWS_ACCESS_KEY_ID="$access" AWS_SECRET_ACCESS_KEY="$secret" S3_BUCKET="$bucket" \
-    setsid "$weed" mini -dir="$dir" -ip="$host" -ip.bind="$host" \
+    setsid "$weed" -logdir="$dir" mini -dir="$dir" -ip="$host" -ip.bind="$host" "${sockets[@]}" \
     -s3.port="$port" -s3.port.grpc=$((port + 1)) \
     -filer.port=$((port + 2)) -filer.port.grpc=$((port + 3)) \
     -master.port=$((port + 4)) -master.port.grpc=$((port + 5)) \

@@ -182,13 +182,16 @@ async fn find(pool: &PgPool, regclass: &str) -> sqlx::Result<Option<Attachment>>
 }
 
 /// The attachment of `table` as the operator names it (any spelling `regclass` resolves).
-async fn find_by_name(pool: &PgPool, table: &str) -> sqlx::Result<Option<Attachment>> {
-    let regclass = sqlx::query_scalar!("SELECT to_regclass($1)::text", table).fetch_one(pool).await?;
-    match regclass {
-        Some(name) => find(pool, &name).await,
+async fn find_by_name(pool: &PgPool, table: &str) -> anyhow::Result<Option<Attachment>> {
+    let regclass = sqlx::query_scalar!("SELECT to_regclass($1)::text", table)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| resolve::unparsable(e, table))?;
+    Ok(match regclass {
+        Some(name) => find(pool, &name).await?,
         // A dropped table: its attachment is known by the name it was recorded under.
-        None => find(pool, table).await,
-    }
+        None => find(pool, table).await?,
+    })
 }
 
 async fn select(pool: &PgPool, table: Option<&str>) -> sqlx::Result<Vec<Attachment>> {

@@ -33,6 +33,17 @@ pub struct Resolved {
 #[error("{0}")]
 pub struct Refusal(pub String);
 
+/// A table name `to_regclass` cannot even parse (`invalid_name`), said plainly; other errors as
+/// they are.
+pub(super) fn unparsable(e: sqlx::Error, table: &str) -> anyhow::Error {
+    match e.as_database_error().and_then(|d| d.code()) {
+        Some(code) if code == "42602" => {
+            refuse(format!("table `{table}`: not a table name (write it as schema.table, quoting as SQL does)"))
+        }
+        _ => e.into(),
+    }
+}
+
 fn refuse(text: impl Into<String>) -> anyhow::Error {
     Refusal(text.into()).into()
 }
@@ -57,7 +68,8 @@ pub async fn resolve(pool: &PgPool, registry: &Registry, spec: &Spec) -> anyhow:
     let found = sqlx::query!("SELECT to_regclass($1)::text AS name, to_regclass($1)::oid::bigint AS oid", spec.table)
         .fetch_one(pool)
         .await
-        .map(|r| r.name.zip(r.oid))?;
+        .map(|r| r.name.zip(r.oid))
+        .map_err(|e| unparsable(e, &spec.table))?;
     let (table, oid) = found.ok_or_else(|| refuse(format!("table `{}`: no such table", spec.table)))?;
     let columns = sqlx::query_as!(
         HostColumn,

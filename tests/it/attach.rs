@@ -357,6 +357,7 @@ async fn a_wrong_binding_is_refused_naming_what_is_wrong(pool: PgPool) {
     let text_priority = ("priority", "NULL::int");
     let cases = [
         (spec("app.missing", "tickets", "acme", &[], &[title]), "table `app.missing`: no such table"),
+        (spec("app.t\"; DROP TABLE app.t; --", "tickets", "acme", &[], &[title]), "not a table name"),
         (spec("app.loose", "tickets", "acme", &[], &[title]), "has no primary key"),
         (spec("app.t", "tickets", "acme", &["code"], &[title, text_priority]), "column `code` of `app.t` may be NULL"),
         (spec("app.t", "tickets", "acme", &["id", "status"], &[title, text_priority]), "no unique index"),

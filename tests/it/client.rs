@@ -71,6 +71,8 @@ async fn a_killed_download_resumes_where_it_stopped(pool: PgPool) {
 
     let resumed = client(&app, &id, out.path(), &[]).output().await.unwrap();
     assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
+    let said = String::from_utf8_lossy(&resumed.stderr);
+    assert!(said.contains(&format!("resuming after the {have} bytes already downloaded")), "{said}");
     let file = out.path().join(name);
     assert_eq!(sha256_of(&file), manifest["file"]["sha256"]);
     assert!(!part.exists());

@@ -56,6 +56,13 @@ pub fn sign_in(error: Option<&str>) -> Markup {
                 " "
                 button { "Sign in" }
             }
+            p {
+                "A tenant admin's token comes from "
+                code { "exportd token --tenant <tenant> --principal <admin> --ttl 1h" }
+                ", or ask for a one-minute sign-in link with it: "
+                code { "POST /v1/dashboard/tickets" }
+                "."
+            }
         },
     )
 }
