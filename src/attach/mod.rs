@@ -165,6 +165,11 @@ pub async fn list(pool: &PgPool) -> sqlx::Result<Vec<Attachment>> {
     select(pool, None).await
 }
 
+/// The attachments feeding one of `tenant`'s datasets, by table.
+pub async fn of_tenant(pool: &PgPool, tenant: &str) -> sqlx::Result<Vec<Attachment>> {
+    Ok(list(pool).await?.into_iter().filter(|a| a.tenants.iter().any(|t| t == tenant)).collect())
+}
+
 /// Whether `tenant`'s `dataset` is fed by an attachment whose backfill has not finished.
 pub async fn backfill_running(pool: &PgPool, tenant: &str, dataset: &str) -> sqlx::Result<bool> {
     sqlx::query_scalar!(

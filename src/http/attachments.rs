@@ -46,11 +46,9 @@ async fn list_attachments(State(state): State<AppState>, caller: Caller) -> ApiR
     if !caller.principal.is_admin() {
         return Err(ApiError::forbidden("only tenant admins can see attached tables"));
     }
-    let tenant = caller.tenant.id.as_str();
-    let attachments = crate::attach::list(&state.pool)
+    let attachments = crate::attach::of_tenant(&state.pool, caller.tenant.id.as_str())
         .await?
         .into_iter()
-        .filter(|a| a.tenants.iter().any(|t| t == tenant))
         .map(|a| {
             let eta_seconds = (a.state == "backfilling").then(|| a.eta()).flatten().map(|d| d.as_secs() as i64);
             AttachmentView {

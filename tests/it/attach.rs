@@ -123,6 +123,10 @@ async fn attached_tables_export_exactly_what_the_host_wrote_through_kills_and_co
     assert!(done >= 3500 && (5500..7000).contains(&estimate), "{tickets}");
     assert!(tickets["eta_seconds"].is_i64(), "{tickets}");
     assert_eq!(app.get(Some(&app.token("acme", "zenpartner")), "/v1/attachments").await.status(), 403);
+    // So does the dashboard, beside the deliveries.
+    let dashboard = app.get(Some(&alice), "/dashboard").await.text().await.unwrap();
+    assert!(dashboard.contains(r#"data-attachment="tickets""#), "the attachment is on the dashboard");
+    assert!(dashboard.contains(r#"data-attachment-state="backfilling""#));
 
     let finish = attach_command(&url, TICKETS).output().await.unwrap();
     assert!(finish.status.success(), "{}", String::from_utf8_lossy(&finish.stderr));
@@ -169,6 +173,9 @@ async fn attached_tables_export_exactly_what_the_host_wrote_through_kills_and_co
         .map(|a| (a["dataset"].as_str().unwrap(), a["state"].as_str().unwrap()))
         .collect();
     assert_eq!(states, [("tickets", "live")], "globex is fed by the tickets table only");
+    let dashboard = app.get(Some(&hank), "/dashboard").await.text().await.unwrap();
+    assert!(dashboard.contains(r#"data-attachment-state="live""#), "live on globex's dashboard");
+    assert!(!dashboard.contains(r#"data-attachment="contacts""#), "acme's attachment is not globex's");
 
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.store(true, Ordering::SeqCst);

@@ -151,6 +151,7 @@ async fn overview(state: &AppState, caller: &Caller) -> Result<Markup, ExportErr
             .await?;
     let partners = crate::usage::partners::activity(&state.pool, &caller.tenant, now).await?;
     let deliveries = crate::delivery::store::lag(&state.pool, caller.tenant.id.as_str()).await?;
+    let attachments = crate::attach::of_tenant(&state.pool, caller.tenant.id.as_str()).await?;
     let recent = exports::list(&state.pool, caller, None, None, 20).await?;
     let overview = pages::Overview {
         tenant: &caller.tenant,
@@ -158,6 +159,7 @@ async fn overview(state: &AppState, caller: &Caller) -> Result<Markup, ExportErr
         history: &history,
         partners: &partners,
         deliveries: &deliveries,
+        attachments: &attachments,
         recent: &recent.jobs,
         now,
     };

@@ -79,6 +79,8 @@ pub struct Overview<'a> {
     pub partners: &'a [PartnerActivity],
     /// How far each subscription's deliveries are behind.
     pub deliveries: &'a [Lag],
+    /// The host tables attached to the tenant's datasets.
+    pub attachments: &'a [crate::attach::Attachment],
     pub recent: &'a [ExportJob],
     pub now: OffsetDateTime,
 }
@@ -205,6 +207,8 @@ impl Overview<'_> {
             (self.partners_table())
             h2 { "Deliveries into partners' buckets" }
             (self.deliveries_table())
+            h2 { "Attached host tables" }
+            (self.attachments_table())
             h2 { "Recent exports" }
             (self.recent_table())
             p { small { "As of " (relative(self.now, self.now)) " — " a href="/dashboard" { "reload" } " for newer numbers. Times are UTC; hover a relative time for the exact one." } }
@@ -349,6 +353,48 @@ impl Overview<'_> {
                                     }
                                 }
                                 td { (self.schema_versions(&partner.principal)) }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// One row per host table attached to one of the tenant's datasets: its state, how far its
+    /// backfill is and when it ends, and what it has written. Host table names are the
+    /// operator's, not the tenant's: the dataset names the row.
+    fn attachments_table(&self) -> Markup {
+        html! {
+            @if self.attachments.is_empty() {
+                p { "No host table feeds this tenant's datasets (" code { "exportd attach" } ")." }
+            } @else {
+                table {
+                    thead { tr {
+                        th scope="col" { "Dataset" } th scope="col" { "State" } th scope="col" { "Backfill" }
+                        th scope="col" { "Records written" } th scope="col" { "Last progress" }
+                    } }
+                    tbody {
+                        @for a in self.attachments {
+                            @let percent = units::percent(a.rows_done as f64, a.rows_estimate.max(a.rows_done).max(1) as f64);
+                            tr data-attachment=(a.dataset) {
+                                th scope="row" { code { (a.dataset) } }
+                                td data-attachment-state=(a.state) {
+                                    @if a.state == "backfilling" {
+                                        "backfilling: exports and feeds of the dataset wait for it"
+                                    } @else {
+                                        "live: every host write is captured in its own transaction"
+                                    }
+                                }
+                                td {
+                                    meter min="0" max="100" value=(format!("{:.1}", percent)) aria-label="backfill progress" {}
+                                    " " (count(a.rows_done)) " of about " (count(a.rows_estimate.max(a.rows_done))) " rows"
+                                    @if a.state == "backfilling" {
+                                        @if let Some(eta) = a.eta() { ", about " (duration(eta.as_secs_f64())) " left" }
+                                    }
+                                }
+                                td { (count(a.rows_written)) }
+                                td { (relative(a.updated_at, self.now)) }
                             }
                         }
                     }
