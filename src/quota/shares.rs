@@ -122,6 +122,17 @@ mod tests {
     }
 
     #[test]
+    fn a_holder_that_returns_one_of_its_slots_may_take_back_only_that_one() {
+        let slots = SharedSlots::new(8, 4);
+        let mut mallory: Vec<_> = std::iter::from_fn(|| slots.try_take(partner("mallory"))).collect();
+        assert_eq!(mallory.len(), 4);
+        mallory.pop();
+        let again = slots.try_take(partner("mallory"));
+        assert!(again.is_some(), "the slot it returned");
+        assert!(slots.try_take(partner("mallory")).is_none(), "still three held: back at its share");
+    }
+
+    #[test]
     fn a_single_slot_is_anyones_and_small_tenants_still_share() {
         let one = SharedSlots::new(1, 3);
         let held = one.try_take(partner("p")).expect("the only slot");
