@@ -108,14 +108,21 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
-    /// Bind a host table to a dataset: a trigger records every change in the writer's
-    /// transaction, then the rows already there are backfilled (online, resumable: run it again
-    /// after an interruption). Exports and feeds of the dataset wait for the backfill.
+    /// Bind a host table to a dataset. With --source, the table (in any PostgreSQL with
+    /// wal_level=logical) is followed from its write-ahead log through a publication and a
+    /// replication slot: the rows there are copied now, and `exportd serve`/`work` apply every
+    /// change after. Without, the table is in exportd's own database: a trigger records every
+    /// change in the writer's transaction, then the rows there are backfilled. Online and
+    /// resumable (run it again after an interruption); exports and feeds wait for the copy.
     Attach {
         #[command(flatten)]
         settings: Settings,
         #[command(flatten)]
         binding: AttachArgs,
+        /// Copy a log attachment again (after its slot was lost): a new slot, then every row;
+        /// rows gone from the host are deleted, unchanged ones write nothing.
+        #[arg(long)]
+        resync: bool,
         /// Rows per backfill batch (one transaction each).
         #[arg(long, default_value_t = 500)]
         batch_rows: u32,
@@ -123,13 +130,17 @@ enum Command {
         #[arg(long, default_value_t = 20_000)]
         rows_per_second: u32,
     },
-    /// Remove an attachment's trigger and functions (the records written stay).
+    /// Remove an attachment's trigger and functions, or its slot and publication on the host
+    /// (the records written stay).
     Detach {
         #[command(flatten)]
         settings: Settings,
         /// The host table.
         #[arg(long)]
         table: String,
+        /// The host database of a log attachment (as given to `attach --source`).
+        #[arg(long)]
+        source: Option<String>,
     },
     /// List attachments with their backfill progress.
     Attachments {
@@ -164,6 +175,10 @@ struct AttachArgs {
     /// (default: the host column of the same name). Repeatable.
     #[arg(long = "column", value_parser = pair)]
     columns: Vec<(String, String)>,
+    /// The host database (postgres://user@host:port/db, wal_level=logical): follow the table
+    /// from its write-ahead log instead of a trigger in exportd's own database.
+    #[arg(long)]
+    source: Option<String>,
 }
 
 impl AttachArgs {
@@ -181,6 +196,7 @@ impl AttachArgs {
             key: self.key,
             tenant,
             columns: self.columns.into_iter().collect(),
+            source: self.source,
         }
     }
 }
@@ -274,16 +290,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", exportd::auth::mint(tenant, &principal, ttl)?);
             Ok(())
         }
-        Command::Attach { settings, binding, batch_rows, rows_per_second } => {
+        Command::Attach { settings, binding, resync, batch_rows, rows_per_second } => {
             let rows_per_second =
                 std::num::NonZeroU32::new(rows_per_second).context("--rows-per-second must be at least 1")?;
             let options = BackfillOptions { batch_rows: batch_rows.max(1), rows_per_second };
-            attach(&settings, binding.spec(), options).await
+            attach(&settings, binding.spec(), resync, options).await
         }
-        Command::Detach { settings, table } => {
+        Command::Detach { settings, table, source } => {
             let pool = exportd::server::prepare(&settings, 2).await?.0;
-            if exportd::attach::detach(&pool, &table).await? {
-                println!("{table}: detached (trigger and functions removed; its records stay)");
+            if exportd::attach::detach(&pool, &table, source.as_deref()).await? {
+                let removed = if source.is_some() { "slot and publication" } else { "trigger and functions" };
+                println!("{table}: detached ({removed} removed; its records stay)");
             } else {
                 println!("{table}: not attached; nothing to do");
             }
@@ -312,11 +329,24 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-async fn attach(settings: &Settings, spec: exportd::attach::Spec, options: BackfillOptions) -> anyhow::Result<()> {
+async fn attach(
+    settings: &Settings,
+    spec: exportd::attach::Spec,
+    resync: bool,
+    options: BackfillOptions,
+) -> anyhow::Result<()> {
     let (pool, registry) = exportd::server::prepare(settings, 4).await?;
-    let attachment = exportd::attach::attach(&pool, &registry, &spec).await?;
+    let mut attachment = exportd::attach::attach(&pool, &registry, &spec).await?;
+    if resync {
+        exportd::attach::log::resync(&pool, &attachment).await?;
+        attachment = exportd::attach::attach(&pool, &registry, &spec).await?;
+    }
+    let capture = match &attachment.slot {
+        Some(slot) => format!("following slot {slot} on the host"),
+        None => "trigger in place".to_owned(),
+    };
     println!(
-        "{} → dataset {} of {}: trigger in place; backfilling from row {} of about {}",
+        "{} → dataset {} of {}: {capture}; copying from row {} of about {}",
         attachment.host_table,
         attachment.dataset,
         attachment.tenants.join(", "),
@@ -340,8 +370,13 @@ async fn attach(settings: &Settings, spec: exportd::attach::Spec, options: Backf
         }
     })
     .await?;
+    let next = if attachment.slot.is_some() {
+        "exports and feeds are open; `exportd serve` (or `exportd work`) applies the host's changes from now on"
+    } else {
+        "exports and feeds are open"
+    };
     println!(
-        "backfill done: {} rows read, {} written (the rest were newer from the trigger, or the same); exports and feeds are open",
+        "backfill done: {} rows read, {} written (the rest were newer, or the same); {next}",
         done.rows_done, done.rows_written
     );
     Ok(())
@@ -356,8 +391,20 @@ fn print_attachments(attachments: &[exportd::attach::Attachment]) {
             Some(left) if a.state != "live" => format!(", ETA {:.0} s", left.as_secs_f64()),
             _ => String::new(),
         };
+        let log = match (&a.slot, a.lag_bytes) {
+            (Some(slot), lag) => format!(
+                ", log capture (slot {slot}): {} bytes behind, {} bytes of WAL retained{}{}",
+                lag.unwrap_or(0),
+                a.retained_bytes.unwrap_or(0),
+                a.lost_reason.as_deref().map(|r| format!("; LOST: {r}")).unwrap_or_default(),
+                a.last_error.as_deref().map(|e| format!("; failing: {e}")).unwrap_or_default(),
+            ),
+            (None, _) => ", trigger capture".to_owned(),
+        };
+        let quarantined =
+            if a.quarantined > 0 { format!(", {} rows quarantined", a.quarantined) } else { String::new() };
         println!(
-            "{} → {} ({}): {}, {} / ~{} rows backfilled, {} written{eta}",
+            "{} → {} ({}): {}, {} / ~{} rows copied, {} written{eta}{log}{quarantined}",
             a.host_table,
             a.dataset,
             a.tenants.join(", "),

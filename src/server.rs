@@ -154,6 +154,7 @@ pub async fn serve(settings: &Settings, options: ServeOptions) -> anyhow::Result
     if roles.workers {
         // Copying files into partners' buckets is worker's work: an API-only host does none.
         handles.push(tokio::spawn(crate::delivery::run(courier(settings, &deps, clock.clone()), shutdown.clone())));
+        handles.push(spawn_capture(&deps, &shutdown));
     }
     let mut http_shutdown = shutdown.clone();
     let stopped = async move {
@@ -203,6 +204,7 @@ pub async fn work(settings: &Settings, workers: usize, exit_when_idle: bool) -> 
         handles.extend(jobs::spawn_workers(&deps, workers, &shutdown));
         handles.push(spawn_cleaner(&deps, Clock::system(), CLEAN_EVERY, &shutdown));
         handles.push(tokio::spawn(feeds::run_ticker(deps.pool.clone(), TICK_EVERY, shutdown.clone())));
+        handles.push(spawn_capture(&deps, &shutdown));
         handles.push(tokio::spawn(webhooks::run(deliverer, Clock::system(), shutdown.clone())));
         handles.push(tokio::spawn(crate::delivery::run(courier(settings, &deps, Clock::system()), shutdown.clone())));
         // Runs until told to stop; only then do the workers get the drain time.
@@ -244,6 +246,12 @@ async fn worker_deps(settings: &Settings, pool: PgPool, registry: Arc<Registry>)
         spools: Default::default(),
         replicas: Arc::new(replicas),
     })
+}
+
+/// The loop following attached host tables from their write-ahead logs.
+fn spawn_capture(deps: &WorkerDeps, shutdown: &watch::Receiver<bool>) -> tokio::task::JoinHandle<()> {
+    let options = crate::attach::log::FollowOptions::default();
+    tokio::spawn(crate::attach::log::run(deps.pool.clone(), deps.registry.clone(), options, shutdown.clone()))
 }
 
 /// The loop delivering exports into partners' buckets.

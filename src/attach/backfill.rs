@@ -55,7 +55,10 @@ pub async fn backfill(
     options: BackfillOptions,
     mut report: impl FnMut(&Progress),
 ) -> anyhow::Result<Progress> {
-    let resolved = resolve::resolve(pool, registry, &attachment.spec).await?;
+    if attachment.capture == "log" {
+        return super::log::copy(pool, registry, attachment, options, report).await;
+    }
+    let resolved = resolve::resolve(pool, pool, registry, &attachment.spec, resolve::Evaluated::OnTheTable).await?;
     let statement = sql::backfill_batch(&resolved);
     let limiter = RateLimiter::direct(Quota::per_second(options.rows_per_second));
     let mut retries = 0u32;
@@ -155,7 +158,7 @@ async fn batch(pool: &PgPool, id: i64, resolved: &Resolved, statement: &str, lim
     progress(pool, id).await
 }
 
-async fn progress(pool: &PgPool, id: i64) -> sqlx::Result<Progress> {
+pub(crate) async fn progress(pool: &PgPool, id: i64) -> sqlx::Result<Progress> {
     let at = sqlx::query!("SELECT rows_done, rows_written, rows_estimate, state FROM attachments WHERE id = $1", id)
         .fetch_one(pool)
         .await?;

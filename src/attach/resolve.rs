@@ -27,6 +27,33 @@ pub struct Resolved {
     /// SQL giving a row's record data (a JSON object).
     pub data_sql: String,
     pub tenants: Vec<String>,
+    /// The host's columns (quoted) with the type a row image gives each: its host type where
+    /// exportd's database knows it, else `text`. Log capture evaluates the binding's
+    /// expressions in exportd's database over `jsonb_to_record(image) AS src(…)`.
+    pub image_columns: Vec<(String, String)>,
+}
+
+impl Resolved {
+    /// The column definition list of a row image: `"id" bigint, "title" text, …`.
+    pub fn image_relation(&self) -> String {
+        self.image_columns.iter().map(|(name, ty)| format!("{name} {ty}")).collect::<Vec<_>>().join(", ")
+    }
+
+    /// The image type of each key column, in key order.
+    pub fn key_image_types(&self) -> Vec<&str> {
+        self.key
+            .iter()
+            .map(|(name, _)| self.image_columns.iter().find(|(n, _)| n == name).map_or("text", |(_, ty)| ty.as_str()))
+            .collect()
+    }
+}
+
+/// Where the binding's expressions are evaluated: over the host table itself (trigger capture,
+/// in the writer's transaction), or over a row image in exportd's database (log capture).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Evaluated {
+    OnTheTable,
+    OverImages,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -64,7 +91,17 @@ struct HostColumn {
     not_null: bool,
 }
 
-pub async fn resolve(pool: &PgPool, registry: &Registry, spec: &Spec) -> anyhow::Result<Resolved> {
+/// Checks `spec` against the host's catalog (`host`: the host database, which is exportd's own
+/// for trigger capture) and the registry's dataset, with the expressions typed where they will
+/// be `evaluated`.
+pub async fn resolve(
+    exportd: &PgPool,
+    host: &PgPool,
+    registry: &Registry,
+    spec: &Spec,
+    evaluated: Evaluated,
+) -> anyhow::Result<Resolved> {
+    let pool = host;
     let found = sqlx::query!("SELECT to_regclass($1)::text AS name, to_regclass($1)::oid::bigint AS oid", spec.table)
         .fetch_one(pool)
         .await
@@ -105,7 +142,14 @@ pub async fn resolve(pool: &PgPool, registry: &Registry, spec: &Spec) -> anyhow:
         }
     }
     let sources = column_sources(&table, spec, schema, &column)?;
-    let types = probe(pool, &table, &sources).await?;
+    let image_columns = image_columns(exportd, &columns).await?;
+    let types = match evaluated {
+        Evaluated::OnTheTable => probe(pool, &table, &format!("{table} AS src"), &sources).await?,
+        Evaluated::OverImages => {
+            let relation = image_columns.iter().map(|(n, t)| format!("{n} {t}")).collect::<Vec<_>>().join(", ");
+            probe(exportd, &table, &format!("{IMAGE_RELATION_NULL} AS src({relation})"), &sources).await?
+        }
+    };
     let mut pairs = Vec::new();
     for ((name, ty, expression), found) in sources.iter().zip(types) {
         let json = to_json(*ty, expression, &found).ok_or_else(|| {
@@ -134,7 +178,7 @@ pub async fn resolve(pool: &PgPool, registry: &Registry, spec: &Spec) -> anyhow:
         "SELECT format('%I', n.nspname) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
           WHERE p.proname = 'exportd_upsert' ORDER BY n.nspname = current_schema() DESC LIMIT 1",
     )
-    .fetch_one(pool)
+    .fetch_one(exportd)
     .await?;
     Ok(Resolved {
         table,
@@ -146,7 +190,28 @@ pub async fn resolve(pool: &PgPool, registry: &Registry, spec: &Spec) -> anyhow:
         key_sql,
         data_sql: format!("jsonb_build_object({})", pairs.join(", ")),
         tenants,
+        image_columns,
     })
+}
+
+/// A row image relation with no row, for typing expressions (see [`Resolved::image_columns`]).
+const IMAGE_RELATION_NULL: &str = "jsonb_to_record(NULL::jsonb)";
+
+/// The column definition list of the host's row images: each host type that exportd's
+/// database also knows (built-in types; a host's own enum or domain is read as its text).
+async fn image_columns(exportd: &PgPool, columns: &[HostColumn]) -> sqlx::Result<Vec<(String, String)>> {
+    let types: Vec<String> = columns.iter().map(|c| c.ty.clone()).collect();
+    let known: Vec<bool> = sqlx::query_scalar!(
+        r#"SELECT to_regtype(t) IS NOT NULL AS "known!" FROM unnest($1::text[]) WITH ORDINALITY AS u(t, n) ORDER BY n"#,
+        &types
+    )
+    .fetch_all(exportd)
+    .await?;
+    Ok(columns
+        .iter()
+        .zip(known)
+        .map(|(c, known)| (ident(&c.name), if known { c.ty.clone() } else { "text".to_owned() }))
+        .collect())
 }
 
 /// The key: the columns given, or the primary key's; NOT NULL and covered by a unique index
@@ -258,12 +323,17 @@ fn column_sources<'a>(
 
 /// The PostgreSQL type of each source expression, as the server describes a query of them (an
 /// expression that does not compile is refused with the server's message).
-async fn probe(pool: &PgPool, table: &str, sources: &[(String, ColumnType, String)]) -> anyhow::Result<Vec<String>> {
+async fn probe(
+    pool: &PgPool,
+    table: &str,
+    from: &str,
+    sources: &[(String, ColumnType, String)],
+) -> anyhow::Result<Vec<String>> {
     if sources.is_empty() {
         return Ok(Vec::new());
     }
     let select: Vec<String> = sources.iter().map(|(_, _, e)| format!("({e})")).collect();
-    let sql = format!("SELECT {} FROM {table} AS src", select.join(", "));
+    let sql = format!("SELECT {} FROM {from}", select.join(", "));
     let described = pool.describe(sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(sql))).await.map_err(|e| {
         let message = e.as_database_error().map_or_else(|| e.to_string(), |d| d.message().to_owned());
         refuse(format!("--column expressions over `{table}`: {message}"))
@@ -312,7 +382,14 @@ mod tests {
     }
 
     fn spec(tenant: TenantRule) -> Spec {
-        Spec { table: "app.tickets".into(), dataset: "tickets".into(), key: vec![], tenant, columns: BTreeMap::new() }
+        Spec {
+            table: "app.tickets".into(),
+            dataset: "tickets".into(),
+            key: vec![],
+            tenant,
+            columns: BTreeMap::new(),
+            source: None,
+        }
     }
 
     #[test]

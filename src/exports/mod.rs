@@ -61,6 +61,10 @@ pub enum ExportError {
         "the dataset is fed by an attached host table whose backfill has not finished: its records are incomplete until it does (`exportd attachments` shows its progress)"
     )]
     BackfillRunning,
+    #[error(
+        "the dataset is fed by an attached host table whose replication slot the host dropped: changes since are missing until an operator resyncs it (`exportd attach --resync`)"
+    )]
+    CaptureLost,
     #[error("this Idempotency-Key was already used with a different request")]
     IdempotencyKeyReused,
     #[error("no such export")]
@@ -214,8 +218,8 @@ pub async fn create_for(
         return replay(existing, &request_sha256);
     }
     let spec = ExportSpec::validate(request, caller)?;
-    if crate::attach::backfill_running(pool, caller.tenant.id.as_str(), &request.dataset).await? {
-        return Err(ExportError::BackfillRunning);
+    if let Some(incomplete) = crate::attach::incomplete(pool, caller.tenant.id.as_str(), &request.dataset).await? {
+        return Err(incomplete.into());
     }
     let start = match spec.mode {
         Mode::Full => None,
@@ -499,6 +503,15 @@ impl crate::storage::lifecycle::Owner for FileOwner<'_> {
 
     async fn published(&self) -> sqlx::Result<Vec<(String, Uuid, String)>> {
         store::shards::published_object_keys(self.0).await
+    }
+}
+
+impl From<crate::attach::Incomplete> for ExportError {
+    fn from(incomplete: crate::attach::Incomplete) -> Self {
+        match incomplete {
+            crate::attach::Incomplete::Backfilling => ExportError::BackfillRunning,
+            crate::attach::Incomplete::Lost => ExportError::CaptureLost,
+        }
     }
 }
 

@@ -24,8 +24,21 @@ pub struct AttachmentList {
 #[derive(Serialize, ToSchema)]
 pub struct AttachmentView {
     dataset: String,
-    /// `backfilling` (exports and feeds of the dataset answer 409 `backfill-running`) or `live`.
+    /// `log` (followed from the host's write-ahead log) or `trigger`.
+    capture: String,
+    /// `backfilling` (exports and feeds of the dataset answer 409 `backfill-running`), `live`,
+    /// or `lost` (log capture: the host dropped the slot; 409 `capture-lost` until resynced).
     state: String,
+    /// Why it is `lost`.
+    lost_reason: Option<String>,
+    /// Log capture: bytes of WAL the host keeps for the slot, and how far the records trail the
+    /// host's WAL, when last looked.
+    retained_wal_bytes: Option<i64>,
+    lag_bytes: Option<i64>,
+    /// Log capture: the follower's last failure, until it applies again.
+    last_error: Option<String>,
+    /// Host rows the dataset refused (never the values): kept out of exports and feeds.
+    quarantined: i64,
     /// Rows of the host table the backfill has read, of the estimate at attach time.
     rows_done: i64,
     rows_estimate: i64,
@@ -53,7 +66,13 @@ async fn list_attachments(State(state): State<AppState>, caller: Caller) -> ApiR
             let eta_seconds = (a.state == "backfilling").then(|| a.eta()).flatten().map(|d| d.as_secs() as i64);
             AttachmentView {
                 dataset: a.dataset,
+                capture: a.capture,
                 state: a.state,
+                lost_reason: a.lost_reason,
+                retained_wal_bytes: a.retained_bytes,
+                lag_bytes: a.lag_bytes,
+                last_error: a.last_error,
+                quarantined: a.quarantined,
                 rows_done: a.rows_done,
                 rows_estimate: a.rows_estimate,
                 rows_written: a.rows_written,

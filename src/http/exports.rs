@@ -446,6 +446,7 @@ impl From<ExportError> for ApiError {
                 ApiError::new(StatusCode::CONFLICT, "incremental-in-progress", detail)
             }
             ExportError::BackfillRunning => ApiError::new(StatusCode::CONFLICT, "backfill-running", detail),
+            ExportError::CaptureLost => ApiError::new(StatusCode::CONFLICT, "capture-lost", detail),
             ExportError::NotRevocable(state) => {
                 ApiError::new(StatusCode::CONFLICT, "not-revocable", detail).with("state", state.as_str())
             }

@@ -64,8 +64,8 @@ async fn changes(
 ) -> ApiResult<axum::Json<ChangesPage>> {
     let view = served_view(&caller, &dataset)?;
     let name = view.name().as_str();
-    if crate::attach::backfill_running(&state.pool, caller.tenant.id.as_str(), name).await? {
-        return Err(crate::exports::ExportError::BackfillRunning.into());
+    if let Some(incomplete) = crate::attach::incomplete(&state.pool, caller.tenant.id.as_str(), name).await? {
+        return Err(crate::exports::ExportError::from(incomplete).into());
     }
     let limit = params.limit.unwrap_or(DEFAULT_LIMIT);
     if !(1..=MAX_LIMIT).contains(&limit) {

@@ -359,6 +359,7 @@ async fn a_wrong_binding_is_refused_naming_what_is_wrong(pool: PgPool) {
         key: key.iter().map(|k| k.to_string()).collect(),
         tenant: TenantRule::Fixed(tenant.into()),
         columns: columns.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        source: None,
     };
     let title = ("subject", "title");
     let text_priority = ("priority", "NULL::int");
@@ -422,6 +423,7 @@ async fn a_writer_whose_search_path_shadows_exportd_functions_still_reaches_the_
         key: vec![],
         tenant: TenantRule::Fixed("acme".into()),
         columns: [("subject".into(), "title".into()), ("status".into(), "status".into())].into(),
+        source: None,
     };
     exportd::attach::attach(&app.pool, &app.registry, &spec).await.unwrap();
     // A writer whose path puts the look-alike functions first.
@@ -453,4 +455,289 @@ async fn a_writer_whose_search_path_shadows_exportd_functions_still_reaches_the_
     .await
     .unwrap();
     assert_eq!(unpinned, Vec::<String>::new(), "functions without a fixed search_path");
+}
+
+/// The host of log capture: its own PostgreSQL (`wal_level = logical`), tickets of two
+/// organizations, one in ten with a body large enough to be TOASTed (random hex does not
+/// compress), and a title that may be NULL (the dataset requires a subject).
+const LOG_HOST_SCHEMA: &str = "
+    CREATE SCHEMA app;
+    CREATE TABLE app.tickets (id bigint PRIMARY KEY, org text NOT NULL, title text, status text NOT NULL,
+                              priority int, body text);
+    INSERT INTO app.tickets (id, org, title, status, priority, body)
+        SELECT i, CASE WHEN i % 20 = 0 THEN 'org-b' ELSE 'org-a' END, 'ticket ' || i, 'open', i % 5,
+               CASE WHEN i % 10 = 0 THEN (SELECT string_agg(md5(i::text || g::text), '') FROM generate_series(1, 150) g)
+                    ELSE 'short ' || i END
+        FROM generate_series(1, 3000) i;";
+
+fn log_binding(source: &str) -> Vec<String> {
+    [
+        "--source",
+        source,
+        "--table",
+        "app.tickets",
+        "--dataset",
+        "tickets",
+        "--tenant-column",
+        "org",
+        "--tenant-map",
+        "org-a=acme,org-b=globex",
+        "--column",
+        "subject=title",
+        "--batch-rows",
+        "50",
+        "--rows-per-second",
+        "3000",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// Follows every log attachment until nothing is left to apply and the slot has caught up
+/// with the host's WAL.
+async fn follow_to_the_end(app: &TestApp, host: &PgPool) {
+    let options = exportd::attach::log::FollowOptions::default();
+    let started = Instant::now();
+    loop {
+        let target: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text").fetch_one(host).await.unwrap();
+        exportd::attach::log::follow_all(&app.pool, &app.registry, options).await.unwrap();
+        let (caught_up, state): (Option<bool>, Value) = sqlx::query_as(
+            "SELECT bool_and(applied_lsn >= $1::pg_lsn),
+                    jsonb_agg(jsonb_build_object('state', state, 'error', last_error, 'lost', lost_reason))
+             FROM attachments WHERE capture = 'log'",
+        )
+        .bind(&target)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        if caught_up == Some(true) {
+            return;
+        }
+        assert!(started.elapsed() < Duration::from_secs(120), "the follower did not catch up with {target}: {state}");
+    }
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_table_of_another_postgresql_is_followed_from_its_log_exactly_and_its_writes_never_fail(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let (alice, hank) = (app.token("acme", "alice"), app.token("globex", "hank"));
+    let url = database_url(&app.pool).await;
+    let node = crate::common::replication::Node::logical();
+    let mut admin = node.connect("postgres").await;
+    sqlx::raw_sql("CREATE DATABASE shop").execute(&mut admin).await.unwrap();
+    let source = node.url("shop");
+    let host = PgPoolOptions::new().max_connections(10).connect(&source).await.unwrap();
+    sqlx::raw_sql(LOG_HOST_SCHEMA).execute(&host).await.unwrap();
+    let before = schema_dump(&source).await;
+    let cursor = app.cursor_now(&alice, "tickets").await;
+    let binding = log_binding(&source);
+    let binding: Vec<&str> = binding.iter().map(String::as_str).collect();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..8u64).map(|w| tokio::spawn(log_host_writer(host.clone(), stop.clone(), w))).collect();
+    // The copy runs as `exportd attach`, SIGKILLed once, then run again to its end.
+    let mut attach = attach_command(&url, &binding).kill_on_drop(true).spawn().unwrap();
+    let started = Instant::now();
+    while rows_done(&app.pool).await < 1000 {
+        assert!(started.elapsed() < Duration::from_secs(60), "the copy did not reach 1000 rows");
+        assert!(attach.try_wait().unwrap().is_none(), "attach ended early: {:?}", attach.wait_with_output().await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    attach.kill().await.unwrap();
+    let refused =
+        app.create_export(&alice, Some("during-copy"), &json!({"dataset": "tickets", "format": "jsonl"})).await;
+    assert_eq!(problem(refused).await["code"], "backfill-running");
+    let finish = attach_command(&url, &binding).output().await.unwrap();
+    assert!(finish.status.success(), "{}", String::from_utf8_lossy(&finish.stderr));
+    assert!(String::from_utf8_lossy(&finish.stdout).contains("applies the host's changes"));
+
+    // The follower is stopped dead a dozen times while the host writes (a task dropped
+    // mid-apply, its transaction rolled back), then runs to the end.
+    for _ in 0..12 {
+        let follower = {
+            let (pool, registry) = (app.pool.clone(), app.registry.clone());
+            tokio::spawn(async move {
+                loop {
+                    let options = exportd::attach::log::FollowOptions::default();
+                    exportd::attach::log::follow_all(&pool, &registry, options).await.unwrap();
+                }
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        follower.abort();
+        let _ = follower.await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    let mut committed = 0;
+    for writer in writers {
+        committed += writer.await.unwrap();
+    }
+    assert!(committed > 100, "{committed} host transactions committed");
+    follow_to_the_end(&app, &host).await;
+
+    // Every tenant's export is its rows of the host table, exactly — TOASTed bodies whole.
+    let expected = |org: &'static str| {
+        let host = host.clone();
+        async move {
+            sqlx::query_as::<_, (String, Value)>(
+                "SELECT id::text, jsonb_build_object('subject', title, 'status', status, 'priority', priority, 'body', body)
+                 FROM app.tickets WHERE org = $1",
+            )
+            .bind(org)
+            .fetch_all(&host)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect::<BTreeMap<String, Value>>()
+        }
+    };
+    let columns = ["subject", "status", "priority", "body"];
+    for (token, org) in [(&alice, "org-a"), (&hank, "org-b")] {
+        let got = export_rows(&app, token, "tickets", &columns).await;
+        let want = expected(org).await;
+        assert_eq!(got.len(), want.len(), "{org}: rows");
+        let differ: Vec<&String> = want.keys().filter(|k| got.get(*k) != want.get(*k)).take(5).collect();
+        assert!(differ.is_empty(), "{org}: the export differs from the host table at {differ:?}");
+        assert!(got.values().all(|row| row["subject"] != "ROLLED BACK"), "a rolled-back write was exported");
+        assert!(got.values().any(|row| row["body"].as_str().is_some_and(|b| b.len() > 4000)), "TOASTed bodies");
+    }
+    // The feed from before the attachment, applied to nothing, gives the same rows.
+    app.tick().await;
+    app.pass_safety_delay();
+    app.tick().await;
+    let (changes, _) = app.pull_all(&alice, "tickets", &cursor, 1000).await;
+    let mut applied = BTreeMap::new();
+    for change in changes {
+        let key = change["key"].as_str().unwrap().to_owned();
+        match change["op"].as_str().unwrap() {
+            "upsert" => {
+                let row: BTreeMap<&str, Value> = columns.iter().map(|c| (*c, change["data"][c].clone())).collect();
+                applied.insert(key, json!(row));
+            }
+            _ => {
+                applied.remove(&key);
+            }
+        }
+    }
+    assert!(applied == expected("org-a").await, "the feed differs from the host table");
+    // Each host change was applied once: no record ever went back to an older state (host
+    // writers only ever raise a row's priority, so a change applied again after the copy had a
+    // newer state would show as a priority going down in the record's history).
+    let backwards: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (
+             SELECT (data->>'priority')::int AS p, lag((data->>'priority')::int) OVER (PARTITION BY tenant, key ORDER BY id) AS before
+             FROM record_versions WHERE dataset = 'tickets' AND data IS NOT NULL) v
+         WHERE p < before",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(backwards, 0, "a record went back to an older state: a change was applied twice");
+
+    // A row the dataset refuses (no subject) is the host's to write: it is quarantined, kept out
+    // of exports, and said so — never its value.
+    sqlx::query("INSERT INTO app.tickets (id, org, title, status, body) VALUES (42000000, 'org-a', NULL, 'open', 'secret body')")
+        .execute(&host)
+        .await
+        .unwrap();
+    follow_to_the_end(&app, &host).await;
+    assert!(!export_rows(&app, &alice, "tickets", &["subject"]).await.contains_key("42000000"));
+    let list: Value = app.get(Some(&alice), "/v1/attachments").await.json().await.unwrap();
+    let tickets = &list["attachments"][0];
+    assert_eq!((tickets["capture"].as_str(), tickets["state"].as_str()), (Some("log"), Some("live")), "{tickets}");
+    assert_eq!(tickets["quarantined"], 1, "{tickets}");
+    assert!(tickets["lag_bytes"].is_i64() && tickets["retained_wal_bytes"].is_i64(), "{tickets}");
+    assert!(!list.to_string().contains("secret body") && !list.to_string().contains(&source));
+    let quarantined: (String, String) =
+        sqlx::query_as("SELECT key, field FROM attachment_quarantine").fetch_one(&app.pool).await.unwrap();
+    assert_eq!(quarantined, ("42000000".into(), "data.subject".into()));
+    // Fixed on the host, it is exported and leaves the quarantine.
+    sqlx::query("UPDATE app.tickets SET title = 'fixed' WHERE id = 42000000").execute(&host).await.unwrap();
+    follow_to_the_end(&app, &host).await;
+    assert_eq!(export_rows(&app, &alice, "tickets", &["subject"]).await["42000000"]["subject"], "fixed");
+    let list: Value = app.get(Some(&alice), "/v1/attachments").await.json().await.unwrap();
+    assert_eq!(list["attachments"][0]["quarantined"], 0);
+
+    // TRUNCATE deletes every record of the table; rows written after it are there.
+    sqlx::raw_sql(
+        "BEGIN; TRUNCATE app.tickets;
+         INSERT INTO app.tickets (id, org, title, status) VALUES (1, 'org-a', 'after', 'open'), (2, 'org-b', 'after', 'open');
+         COMMIT;",
+    )
+    .execute(&host)
+    .await
+    .unwrap();
+    follow_to_the_end(&app, &host).await;
+    let left = export_rows(&app, &alice, "tickets", &["subject"]).await;
+    assert_eq!(left.keys().collect::<Vec<_>>(), ["1"], "acme's rows after the TRUNCATE");
+
+    // Detach removes the slot and the publication; the host's schema is as before.
+    let detach = Command::new(env!("CARGO_BIN_EXE_exportd"))
+        .args(["detach", "--table", "app.tickets", "--source", &source])
+        .env("DATABASE_URL", &url)
+        .env("EXPORTD_TENANTS_DIR", fixture_tenants_dir())
+        .output()
+        .await
+        .unwrap();
+    assert!(detach.status.success(), "{}", String::from_utf8_lossy(&detach.stderr));
+    let leftovers: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM pg_replication_slots) + (SELECT count(*) FROM pg_publication)",
+    )
+    .fetch_one(&host)
+    .await
+    .unwrap();
+    assert_eq!(leftovers, 0, "a slot or publication left on the host");
+    assert!(schema_dump(&source).await == before, "pg_dump --schema-only differs after detach");
+    host.close().await;
+}
+
+/// A host writer of log capture: inserts, updates of small columns (leaving TOASTed bodies
+/// unchanged), of bodies, of keys and organizations, deletes, one in five rolled back, until
+/// `stop`. No statement may fail for a reason of exportd's. Returns the transactions committed.
+async fn log_host_writer(pool: PgPool, stop: Arc<AtomicBool>, writer: u64) -> u64 {
+    let mut state = writer.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(11);
+    let mut next = move |n: u64| {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 33) % n
+    };
+    let (mut committed, mut fresh) = (0, 0);
+    while !stop.load(Ordering::SeqCst) {
+        let mut tx = pool.begin().await.unwrap();
+        let rollback = next(5) == 0;
+        let title = if rollback { "ROLLED BACK".to_owned() } else { format!("w{writer} {}", next(10_000)) };
+        let id = 1 + next(3000) as i64;
+        let statement = match next(7) {
+            0 => {
+                fresh += 1;
+                sqlx::query("INSERT INTO app.tickets (id, org, title, status, body) VALUES ($1, 'org-a', $2, 'new', repeat(md5($2), 100))")
+                    .bind(10_000_000 + writer as i64 * 100_000 + fresh)
+                    .bind(&title)
+            }
+            1 => sqlx::query("UPDATE app.tickets SET id = id + 5000000, status = 'moved' WHERE id = $1").bind(id),
+            2 => sqlx::query("UPDATE app.tickets SET org = CASE org WHEN 'org-a' THEN 'org-b' ELSE 'org-a' END, title = $2 WHERE id = $1")
+                .bind(1 + next(600) as i64)
+                .bind(&title),
+            3 => sqlx::query("DELETE FROM app.tickets WHERE id = $1").bind(id),
+            4 => sqlx::query("UPDATE app.tickets SET body = (SELECT string_agg(md5($2 || g::text), '') FROM generate_series(1, 120) g) WHERE id = $1")
+                .bind(id)
+                .bind(&title),
+            _ => sqlx::query("UPDATE app.tickets SET title = $2, status = 'updated', priority = priority + 1 WHERE id = $1")
+                .bind(id)
+                .bind(&title),
+        };
+        match statement.execute(&mut *tx).await {
+            Ok(_) if rollback => tx.rollback().await.unwrap(),
+            Ok(_) => {
+                tx.commit().await.unwrap();
+                committed += 1;
+            }
+            Err(e) => {
+                let code = e.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned());
+                assert!(matches!(code.as_deref(), Some("40P01" | "23505")), "a host write failed: {e}");
+                tx.rollback().await.unwrap();
+            }
+        }
+    }
+    committed
 }

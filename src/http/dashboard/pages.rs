@@ -382,8 +382,22 @@ impl Overview<'_> {
                                 td data-attachment-state=(a.state) {
                                     @if a.state == "backfilling" {
                                         "backfilling: exports and feeds of the dataset wait for it"
+                                    } @else if a.state == "lost" {
+                                        strong { "lost: " } (a.lost_reason.as_deref().unwrap_or("the host dropped the slot"))
+                                        " — exports and feeds wait for an operator's resync"
+                                    } @else if a.capture == "log" {
+                                        "live: followed from the host's write-ahead log, "
+                                        (bytes(a.lag_bytes.unwrap_or(0))) " behind, "
+                                        (bytes(a.retained_bytes.unwrap_or(0))) " of WAL kept on the host"
                                     } @else {
                                         "live: every host write is captured in its own transaction"
+                                    }
+                                    @if let Some(error) = &a.last_error {
+                                        br; strong { "failing: " } (error)
+                                    }
+                                    @if a.quarantined > 0 {
+                                        br; strong data-attachment-quarantined=(a.quarantined) { (count(a.quarantined)) " rows quarantined" }
+                                        " (the dataset refuses a value; kept out of exports and feeds)"
                                     }
                                 }
                                 td {

@@ -102,6 +102,18 @@ impl Node {
         node
     }
 
+    /// A server whose write-ahead log carries logical decoding (`wal_level = logical`): a host
+    /// database that log capture follows.
+    pub fn logical() -> Node {
+        let node = Node { dir: private_dir("logical"), port: free_port() };
+        run("initdb", &["-D", &node.data(), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-locale"]);
+        node.append_settings(
+            "wal_level = logical\nmax_replication_slots = 4\nmax_wal_senders = 4\nfsync = off\nmax_connections = 60\n",
+        );
+        node.start();
+        node
+    }
+
     /// A hot standby of `primary`, made with `pg_basebackup -R` and streaming from it.
     pub fn standby_of(primary: &Node) -> Node {
         let node = Node { dir: private_dir("standby"), port: free_port() };
