@@ -110,7 +110,7 @@ enum Command {
     },
     /// Bind a host table to a dataset. With --source, the table (in any PostgreSQL with
     /// wal_level=logical) is followed from its write-ahead log through a publication and a
-    /// replication slot: the rows there are copied now, and `exportd serve`/`work` apply every
+    /// replication slot: the rows there are copied now, and `exportd serve`/`worker` apply every
     /// change after. Without, the table is in exportd's own database: a trigger records every
     /// change in the writer's transaction, then the rows there are backfilled. Online and
     /// resumable (run it again after an interruption); exports and feeds wait for the copy.
@@ -371,7 +371,7 @@ async fn attach(
     })
     .await?;
     let next = if attachment.slot.is_some() {
-        "exports and feeds are open; `exportd serve` (or `exportd work`) applies the host's changes from now on"
+        "exports and feeds are open; `exportd serve` (or `exportd worker`) applies the host's changes from now on"
     } else {
         "exports and feeds are open"
     };

@@ -43,10 +43,18 @@ pub enum WebhookEvent {
     /// A delivery gave up (a refusal, or passing errors for `EXPORTD_DELIVERY_RETRY_FOR`).
     #[serde(rename = "delivery.failed")]
     DeliveryFailed,
+    /// Rows of an attached host table the dataset refuses were quarantined (keys, fields and
+    /// reasons; never values).
+    #[serde(rename = "attachment.quarantined")]
+    AttachmentQuarantined,
+    /// A log-captured host table's slot is lost: its datasets' exports and feeds wait for a
+    /// resync.
+    #[serde(rename = "attachment.lost")]
+    AttachmentLost,
 }
 
 impl WebhookEvent {
-    pub const ALL: [WebhookEvent; 10] = [
+    pub const ALL: [WebhookEvent; 12] = [
         WebhookEvent::ExportSucceeded,
         WebhookEvent::ExportFailed,
         WebhookEvent::ExportCancelled,
@@ -57,6 +65,8 @@ impl WebhookEvent {
         WebhookEvent::SchemaChanged,
         WebhookEvent::DeliverySucceeded,
         WebhookEvent::DeliveryFailed,
+        WebhookEvent::AttachmentQuarantined,
+        WebhookEvent::AttachmentLost,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -71,6 +81,8 @@ impl WebhookEvent {
             WebhookEvent::SchemaChanged => "schema.changed",
             WebhookEvent::DeliverySucceeded => "delivery.succeeded",
             WebhookEvent::DeliveryFailed => "delivery.failed",
+            WebhookEvent::AttachmentQuarantined => "attachment.quarantined",
+            WebhookEvent::AttachmentLost => "attachment.lost",
         }
     }
 

@@ -652,6 +652,13 @@ async fn a_table_of_another_postgresql_is_followed_from_its_log_exactly_and_its_
     let quarantined: (String, String) =
         sqlx::query_as("SELECT key, field FROM attachment_quarantine").fetch_one(&app.pool).await.unwrap();
     assert_eq!(quarantined, ("42000000".into(), "data.subject".into()));
+    let announced: Value =
+        sqlx::query_scalar("SELECT data FROM webhook_events WHERE type = 'attachment.quarantined' AND tenant = 'acme'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!((announced["new"].as_i64(), announced["rows"][0]["key"].as_str()), (Some(1), Some("42000000")));
+    assert!(!announced.to_string().contains("secret body"), "{announced}");
     // Fixed on the host, it is exported and leaves the quarantine.
     sqlx::query("UPDATE app.tickets SET title = 'fixed' WHERE id = 42000000").execute(&host).await.unwrap();
     follow_to_the_end(&app, &host).await;
@@ -740,4 +747,98 @@ async fn log_host_writer(pool: PgPool, stop: Arc<AtomicBool>, writer: u64) -> u6
         }
     }
     committed
+}
+
+/// A slot the host invalidates (its `max_slot_wal_keep_size` reached while changes went
+/// unread) makes the attachment `lost`: exports and feeds of the dataset are refused, never
+/// silently missing those changes, until `--resync` copies the table again.
+#[sqlx::test(migrations = "./migrations")]
+async fn a_slot_the_host_invalidates_makes_the_attachment_lost_until_a_resync_copies_the_table_again(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let alice = app.token("acme", "alice");
+    let url = database_url(&app.pool).await;
+    let node = crate::common::replication::Node::logical();
+    let mut admin = node.connect("postgres").await;
+    sqlx::raw_sql("CREATE DATABASE shop").execute(&mut admin).await.unwrap();
+    let source = node.url("shop");
+    let host = PgPoolOptions::new().max_connections(4).connect(&source).await.unwrap();
+    sqlx::raw_sql(LOG_HOST_SCHEMA).execute(&host).await.unwrap();
+    let binding = log_binding(&source);
+    let mut binding: Vec<&str> = binding.iter().map(String::as_str).collect();
+    let attach = attach_command(&url, &binding).output().await.unwrap();
+    assert!(attach.status.success(), "{}", String::from_utf8_lossy(&attach.stderr));
+    follow_to_the_end(&app, &host).await;
+    let host_rows = |org: &'static str| {
+        let host = host.clone();
+        async move {
+            sqlx::query_as::<_, (String, Value)>(
+                "SELECT id::text, jsonb_build_object('subject', title) FROM app.tickets WHERE org = $1",
+            )
+            .bind(org)
+            .fetch_all(&host)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect::<BTreeMap<String, Value>>()
+        }
+    };
+    assert!(export_rows(&app, &alice, "tickets", &["subject"]).await == host_rows("org-a").await);
+
+    // The host caps the WAL a slot may keep; changes are made that nobody reads, and more WAL
+    // than the cap is written and checkpointed away.
+    for statement in ["ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'", "SELECT pg_reload_conf()"] {
+        sqlx::query(statement).execute(&mut admin).await.unwrap();
+    }
+    sqlx::query("CREATE TABLE app.noise (n int)").execute(&host).await.unwrap();
+    sqlx::raw_sql("DELETE FROM app.tickets WHERE id <= 10; UPDATE app.tickets SET title = 'while lost' WHERE id BETWEEN 11 AND 15")
+        .execute(&host)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    loop {
+        for statement in ["INSERT INTO app.noise VALUES (1)", "SELECT pg_switch_wal()", "CHECKPOINT"] {
+            sqlx::query(statement).execute(&host).await.unwrap();
+        }
+        let status: Option<String> =
+            sqlx::query_scalar("SELECT wal_status FROM pg_replication_slots").fetch_one(&host).await.unwrap();
+        if status.as_deref() == Some("lost") {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "the host did not invalidate the slot: {status:?}");
+    }
+    exportd::attach::log::follow_all(&app.pool, &app.registry, Default::default()).await.unwrap();
+    let list: Value = app.get(Some(&alice), "/v1/attachments").await.json().await.unwrap();
+    let tickets = &list["attachments"][0];
+    assert_eq!(tickets["state"], "lost", "{tickets}");
+    assert!(tickets["lost_reason"].as_str().unwrap().contains("max_slot_wal_keep_size"), "{tickets}");
+    let lost: Vec<String> =
+        sqlx::query_scalar("SELECT tenant FROM webhook_events WHERE type = 'attachment.lost' ORDER BY tenant")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(lost, ["acme", "globex"], "announced to each tenant the table feeds");
+    let refused =
+        app.create_export(&alice, Some("while-lost"), &json!({"dataset": "tickets", "format": "jsonl"})).await;
+    assert_eq!(refused.status(), 409);
+    assert_eq!(problem(refused).await["code"], "capture-lost");
+    let cursor = app.cursor_now(&alice, "tickets").await;
+    let feed = app.get(Some(&alice), &format!("/v1/datasets/tickets/changes?cursor={cursor}")).await;
+    assert_eq!(feed.status(), 409);
+    assert_eq!(problem(feed).await["code"], "capture-lost");
+
+    // A resync: a new slot, the table copied again; rows gone since are deleted.
+    for statement in ["ALTER SYSTEM RESET max_slot_wal_keep_size", "SELECT pg_reload_conf()"] {
+        sqlx::query(statement).execute(&mut admin).await.unwrap();
+    }
+    binding.push("--resync");
+    let resync = attach_command(&url, &binding).output().await.unwrap();
+    assert!(resync.status.success(), "{}", String::from_utf8_lossy(&resync.stderr));
+    let got = export_rows(&app, &alice, "tickets", &["subject"]).await;
+    assert!(got == host_rows("org-a").await, "the export after the resync differs from the host");
+    assert!(!got.contains_key("3") && got["12"]["subject"] == "while lost");
+    // And it is followed again.
+    sqlx::query("UPDATE app.tickets SET title = 'after resync' WHERE id = 21").execute(&host).await.unwrap();
+    follow_to_the_end(&app, &host).await;
+    assert_eq!(export_rows(&app, &alice, "tickets", &["subject"]).await["21"]["subject"], "after resync");
+    host.close().await;
 }

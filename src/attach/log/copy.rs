@@ -144,6 +144,7 @@ async fn batch(
             })
             .collect();
         written += images::apply(&mut tx, id, &resolved.dataset, &ops).await?;
+        images::announce_quarantined(&mut tx, id, &resolved.dataset).await?;
     }
     if finished {
         // Rows of an earlier round the host no longer has (a resync's copy) are gone.

@@ -216,6 +216,15 @@ async fn follow_one(
         )
         .execute(&mut *tx)
         .await?;
+        sqlx::query!(
+            "INSERT INTO webhook_events (tenant, type, dataset, data)
+             SELECT t, 'attachment.lost', a.dataset, jsonb_build_object('dataset', a.dataset, 'reason', $2::text)
+             FROM attachments a CROSS JOIN unnest(a.tenants) AS t WHERE a.id = $1",
+            id,
+            reason
+        )
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
         tracing::warn!(attachment = id, reason, "attachment lost; resync it (`exportd attach --resync`)");
         return Ok(0);
@@ -271,6 +280,7 @@ async fn follow_one(
         }
     }
     follower.flush(&mut tx).await?;
+    images::announce_quarantined(&mut tx, id, &resolved.dataset).await?;
     // Every transaction committed before `upto` was read, unless the peek stopped at its limit.
     let complete = messages < i64::from(options.changes_per_peek);
     let applied = if complete { applied_before.max(upto) } else { last_end.max(applied_before) };
@@ -289,6 +299,9 @@ async fn follow_one(
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
+    let labels = [("attachment", id.to_string()), ("dataset", resolved.dataset.clone())];
+    metrics::gauge!("exportd_attachment_lag_bytes", &labels).set(lag as f64);
+    metrics::gauge!("exportd_attachment_retained_wal_bytes", &labels).set(health.retained as f64);
     if applied > health.confirmed {
         sqlx::query("SELECT pg_replication_slot_advance($1, $2::text::pg_lsn)")
             .bind(&at.slot)

@@ -178,3 +178,25 @@ pub async fn apply(conn: &mut PgConnection, attachment: i64, dataset: &str, ops:
     .await?;
     Ok(i64::from(written))
 }
+
+/// Announces, per tenant, the rows this transaction quarantined (`attachment.quarantined`: how
+/// many, and up to ten keys with field and reason — never a value).
+pub async fn announce_quarantined(conn: &mut PgConnection, attachment: i64, dataset: &str) -> sqlx::Result<u64> {
+    let raised = sqlx::query!(
+        r#"INSERT INTO webhook_events (tenant, type, dataset, data)
+           SELECT q.tenant, 'attachment.quarantined', $2::text, jsonb_build_object(
+                      'dataset', $2::text,
+                      'quarantined', (SELECT count(*) FROM attachment_quarantine a WHERE a.attachment = $1 AND a.tenant = q.tenant),
+                      'new', count(*),
+                      'rows', jsonb_path_query_array(
+                          jsonb_agg(jsonb_build_object('key', q.key, 'field', q.field, 'reason', q.reason) ORDER BY q.key),
+                          '$[0 to 9]'))
+           FROM attachment_quarantine q WHERE q.attachment = $1 AND q.at = now()
+           GROUP BY q.tenant"#,
+        attachment,
+        dataset
+    )
+    .execute(&mut *conn)
+    .await?;
+    Ok(raised.rows_affected())
+}
