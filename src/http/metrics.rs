@@ -1,6 +1,7 @@
 //! `GET /metrics`: Prometheus text format. Export counts and oldest ages per tenant and state,
-//! and the webhook backlog, are read from PostgreSQL (every process reports the same, shared
-//! truth) — at most once per `max_age` and one refresh at a time, whatever the number of
+//! how much of each quota tenants use, partners' feed positions, attached host tables' lag, and
+//! the webhook backlog are read from PostgreSQL (every process reports the same, shared truth),
+//! with whether the artifact store answers — at most once per `max_age` and one refresh at a time, whatever the number of
 //! scrapers, each under a time limit; a scrape meanwhile gets the last figures. The rendered
 //! text is reused for a second.
 //! Counters and histograms are this process's. The page names every tenant, so it is closed
@@ -21,6 +22,7 @@ use time::OffsetDateTime;
 use super::error::{ApiError, ApiResult};
 use super::state::AppState;
 use crate::exports::ExportState;
+use crate::storage::ArtifactStore;
 use crate::tenants::Registry;
 
 /// Who may scrape.
@@ -86,7 +88,7 @@ impl MetricsPage {
     }
 
     /// Refreshes the gauges if they are older than `max_age` and nobody else is refreshing.
-    async fn refresh(&self, pool: &PgPool, registry: &Registry) {
+    async fn refresh(&self, pool: &PgPool, registry: &Registry, store: &ArtifactStore) {
         let Ok(mut refreshed) = self.refreshed.try_lock() else { return };
         if refreshed.is_some_and(|at| at.elapsed() < self.max_age) {
             return;
@@ -94,7 +96,7 @@ impl MetricsPage {
         // Counted from the attempt, whatever its outcome: a failing or slow database is asked
         // once per `max_age` too.
         *refreshed = Some(Instant::now());
-        match tokio::time::timeout(REFRESH_PATIENCE, set_gauges(pool, registry)).await {
+        match tokio::time::timeout(REFRESH_PATIENCE, set_gauges(pool, registry, store)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(error = %e, "metrics: could not read the export gauges"),
             Err(_) => tracing::warn!("metrics: reading the export gauges took too long"),
@@ -113,7 +115,7 @@ pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> ApiRe
     let text = match cached {
         Some((at, text)) if at.elapsed() < fresh => text,
         _ => {
-            page.refresh(&state.pool, &state.registry).await;
+            page.refresh(&state.pool, &state.registry, &state.store).await;
             let handle = crate::telemetry::prometheus();
             handle.run_upkeep();
             let text = axum::body::Bytes::from(handle.render());
@@ -124,10 +126,34 @@ pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> ApiRe
     Ok(([(CONTENT_TYPE, "text/plain; version=0.0.4")], text))
 }
 
-async fn set_gauges(pool: &PgPool, registry: &Registry) -> sqlx::Result<()> {
+async fn set_gauges(pool: &PgPool, registry: &Registry, store: &ArtifactStore) -> sqlx::Result<()> {
     let rows = crate::exports::store::facts::by_tenant_and_state(pool).await?;
     let now = OffsetDateTime::now_utc();
     for tenant in registry.tenants() {
+        // How much of each quota the tenant uses (1 = at the limit: the next one is refused).
+        let count = |state: ExportState| {
+            rows.iter().find(|r| r.tenant == tenant.id.as_str() && r.state == state).map_or(0, |r| r.count)
+        };
+        let id = tenant.id.as_str();
+        let quota = &tenant.quota;
+        let used = [
+            ("running_exports", count(ExportState::Running) as f64, f64::from(quota.max_running_exports)),
+            ("queued_exports", count(ExportState::Queued) as f64, f64::from(quota.max_queued_exports)),
+            (
+                "storage_bytes",
+                crate::exports::store::facts::stored_bytes(pool, id).await? as f64,
+                quota.storage_bytes as f64,
+            ),
+            (
+                "egress_bytes_per_day",
+                crate::quota::egress_today(pool, id, now).await? as f64,
+                quota.egress_bytes_per_day as f64,
+            ),
+        ];
+        for (name, used, limit) in used {
+            let labels = [("tenant", tenant.id.to_string()), ("quota", name.to_owned())];
+            metrics::gauge!("exportd_quota_used_ratio", &labels).set(if limit > 0.0 { used / limit } else { 0.0 });
+        }
         for export_state in ExportState::ALL {
             let row = rows.iter().find(|r| r.tenant == tenant.id.as_str() && r.state == export_state);
             let labels = [("tenant", tenant.id.to_string()), ("state", export_state.as_str().to_owned())];
@@ -138,6 +164,26 @@ async fn set_gauges(pool: &PgPool, registry: &Registry) -> sqlx::Result<()> {
             }
         }
     }
+    // Partners' feeds: how old the position each last read from is, and whether it is lagging
+    // (past the tenant's `lagging_after_minutes`, as `feed.lagging` says).
+    for feed in crate::webhooks::lag::positions(pool).await? {
+        let labels = [("tenant", feed.tenant), ("principal", feed.principal), ("dataset", feed.dataset)];
+        metrics::gauge!("exportd_feed_position_age_seconds", &labels)
+            .set((now - feed.position_at).as_seconds_f64().max(0.0));
+        metrics::gauge!("exportd_feed_lagging", &labels).set(if feed.lagging { 1.0 } else { 0.0 });
+    }
+    // Attached host tables (log capture): the slot's retained WAL and lag, quarantined rows,
+    // and whether the host lost the slot.
+    for a in crate::attach::list(pool).await? {
+        let labels = [("attachment", a.id.to_string()), ("dataset", a.dataset.clone())];
+        metrics::gauge!("exportd_attachment_lost", &labels).set(if a.state == "lost" { 1.0 } else { 0.0 });
+        metrics::gauge!("exportd_attachment_quarantined_rows", &labels).set(a.quarantined as f64);
+        if a.capture == "log" {
+            metrics::gauge!("exportd_attachment_lag_bytes", &labels).set(a.lag_bytes.unwrap_or(0) as f64);
+            metrics::gauge!("exportd_attachment_retained_wal_bytes", &labels).set(a.retained_bytes.unwrap_or(0) as f64);
+        }
+    }
+    metrics::gauge!("exportd_store_reachable").set(if store.reachable().await.is_ok() { 1.0 } else { 0.0 });
     let (pending, oldest) = crate::webhooks::outbox::pending(pool).await?;
     metrics::gauge!("exportd_webhook_deliveries_pending").set(pending as f64);
     let oldest_age = oldest.map_or(0.0, |at| (now - at).as_seconds_f64().max(0.0));

@@ -60,3 +60,23 @@ pub async fn raise_lagging(pool: &PgPool, tenant: &Tenant, now: OffsetDateTime) 
     .await?;
     Ok(raised.rows_affected())
 }
+
+/// A partner's feed position, as `GET /metrics` reports it.
+pub struct Position {
+    pub tenant: String,
+    pub principal: String,
+    pub dataset: String,
+    pub position_at: time::OffsetDateTime,
+    pub lagging: bool,
+}
+
+/// Every partner's feed position.
+pub async fn positions(pool: &PgPool) -> sqlx::Result<Vec<Position>> {
+    sqlx::query_as!(
+        Position,
+        r#"SELECT tenant, principal, dataset, position_at, lagging_since IS NOT NULL AS "lagging!" FROM feed_positions
+           ORDER BY tenant, principal, dataset"#
+    )
+    .fetch_all(pool)
+    .await
+}

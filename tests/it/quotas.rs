@@ -194,6 +194,11 @@ async fn metrics_report_jobs_shards_downloads_and_rejections(pool: PgPool) {
     assert_eq!(metric(&before, r#"exportd_exports{tenant="acme",state="QUEUED"}"#), Some(2.0), "{before}");
     assert!(metric(&before, r#"exportd_export_oldest_age_seconds{tenant="acme",state="QUEUED"}"#).is_some());
     let written_before = metric(&before, "exportd_shards_written_total").unwrap_or(0.0);
+    // How much of each quota is used: two of acme's 50 queued exports.
+    let queued = metric(&before, r#"exportd_quota_used_ratio{tenant="acme",quota="queued_exports"}"#);
+    assert_eq!(queued, Some(2.0 / 50.0), "{before}");
+    assert!(metric(&before, r#"exportd_quota_used_ratio{tenant="acme",quota="egress_bytes_per_day"}"#).is_some());
+    assert_eq!(metric(&before, "exportd_store_reachable"), Some(1.0), "{before}");
 
     app.drain().await;
     app.get(Some(&admin), &format!("/v1/exports/{id}/file")).await.bytes().await.unwrap();

@@ -299,9 +299,6 @@ async fn follow_one(
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
-    let labels = [("attachment", id.to_string()), ("dataset", resolved.dataset.clone())];
-    metrics::gauge!("exportd_attachment_lag_bytes", &labels).set(lag as f64);
-    metrics::gauge!("exportd_attachment_retained_wal_bytes", &labels).set(health.retained as f64);
     if applied > health.confirmed {
         sqlx::query("SELECT pg_replication_slot_advance($1, $2::text::pg_lsn)")
             .bind(&at.slot)
