@@ -18,8 +18,9 @@ pub fn function_names(attachment: i64) -> (String, String) {
 /// The row trigger reads the row's tenant, key and data with the attachment's expressions over
 /// `(SELECT OLD.*)` / `(SELECT NEW.*)`, so expressions name the host's columns as they are. An
 /// update that changes the key or the tenant deletes the old record before writing the new one;
-/// a row whose tenant is NULL (unmapped) is no record. A record that does not fit the dataset
-/// raises EXD01 and fails the host's statement: loud, never a silently wrong export.
+/// a row whose tenant is NULL (unmapped) is no record. A record that does not fit the dataset is
+/// quarantined (`exportd_capture_upsert`): the host's statement succeeds, the record is kept out
+/// and said so; only a key the record store cannot hold fails the statement (EXD01).
 ///
 /// Both run with `search_path` fixed to `pg_catalog`, exportd's schema, `pg_temp` (whatever the
 /// writer's path) and call exportd's functions by their schema, so nothing earlier on a writer's
@@ -49,7 +50,8 @@ BEGIN
         PERFORM {exportd}.exportd_capture_delete(exportd_old_tenant, {dataset}, exportd_old_key);
     END IF;
     IF exportd_new_tenant IS NOT NULL THEN
-        PERFORM {exportd}.exportd_upsert(exportd_new_tenant, {dataset}, exportd_new_key, exportd_new_data);
+        PERFORM {exportd}.exportd_capture_upsert({attachment}, exportd_new_tenant, {dataset}, exportd_new_key,
+                                                  exportd_new_data);
     END IF;
     RETURN NULL;
 END $exportd$"

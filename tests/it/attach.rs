@@ -842,3 +842,48 @@ async fn a_slot_the_host_invalidates_makes_the_attachment_lost_until_a_resync_co
     assert_eq!(export_rows(&app, &alice, "tickets", &["subject"]).await["21"]["subject"], "after resync");
     host.close().await;
 }
+
+/// Trigger capture quarantines too: a row the dataset refuses is written by the host (no EXD01),
+/// kept out of exports and listed; fixed, it is exported and leaves the quarantine.
+#[sqlx::test(migrations = "./migrations")]
+async fn with_trigger_capture_a_refused_row_is_quarantined_and_the_host_write_succeeds(pool: PgPool) {
+    use exportd::attach::{Spec, TenantRule};
+    let app = TestApp::spawn(pool).await;
+    let alice = app.token("acme", "alice");
+    sqlx::raw_sql(
+        "CREATE SCHEMA app;
+         CREATE TABLE app.t (id bigint PRIMARY KEY, title text, status text NOT NULL);
+         INSERT INTO app.t VALUES (1, 'one', 'open'), (2, 'two', 'open');",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let spec = Spec {
+        table: "app.t".into(),
+        dataset: "tickets".into(),
+        key: vec![],
+        tenant: TenantRule::Fixed("acme".into()),
+        columns: [("subject".into(), "title".into())].into(),
+        source: None,
+    };
+    let attachment = exportd::attach::attach(&app.pool, &app.registry, &spec).await.unwrap();
+    exportd::attach::backfill(&app.pool, &app.registry, &attachment, Default::default(), |_| {}).await.unwrap();
+    // The dataset requires a subject: the host writes a row without one, and an update that
+    // takes an exported row's away.
+    sqlx::query("INSERT INTO app.t VALUES (3, NULL, 'open')").execute(&app.pool).await.unwrap();
+    sqlx::query("UPDATE app.t SET title = NULL WHERE id = 1").execute(&app.pool).await.unwrap();
+    let rows = export_rows(&app, &alice, "tickets", &["subject"]).await;
+    assert_eq!(rows.keys().collect::<Vec<_>>(), ["2"], "refused rows are kept out, the stale version too");
+    let list: Value = app.get(Some(&alice), "/v1/attachments").await.json().await.unwrap();
+    assert_eq!(list["attachments"][0]["quarantined"], 2, "{list}");
+    let events: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_events WHERE type = 'attachment.quarantined'")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(events, 2);
+    sqlx::query("UPDATE app.t SET title = 'fixed' WHERE id IN (1, 3)").execute(&app.pool).await.unwrap();
+    let rows = export_rows(&app, &alice, "tickets", &["subject"]).await;
+    assert_eq!(rows.keys().collect::<Vec<_>>(), ["1", "2", "3"]);
+    let list: Value = app.get(Some(&alice), "/v1/attachments").await.json().await.unwrap();
+    assert_eq!(list["attachments"][0]["quarantined"], 0);
+}
