@@ -552,21 +552,23 @@ async fn a_table_of_another_postgresql_is_followed_from_its_log_exactly_and_its_
     assert!(finish.status.success(), "{}", String::from_utf8_lossy(&finish.stderr));
     assert!(String::from_utf8_lossy(&finish.stdout).contains("applies the host's changes"));
 
-    // The follower is stopped dead a dozen times while the host writes (a task dropped
-    // mid-apply, its transaction rolled back), then runs to the end.
-    for _ in 0..12 {
-        let follower = {
-            let (pool, registry) = (app.pool.clone(), app.registry.clone());
-            tokio::spawn(async move {
-                loop {
-                    let options = exportd::attach::log::FollowOptions::default();
-                    exportd::attach::log::follow_all(&pool, &registry, options).await.unwrap();
-                }
-            })
-        };
-        tokio::time::sleep(Duration::from_millis(150)).await;
-        follower.abort();
-        let _ = follower.await;
+    // The stream is applied by `exportd worker` processes, three SIGKILLed mid-stream while the
+    // host writes — among its writes one transaction larger than logical_decoding_work_mem.
+    let log = app.data_dir.path().join("worker.log");
+    for round in 0..3 {
+        let mut worker = crate::common::processes::spawn_worker(&url, app.data_dir.path(), &log, 1, "5s");
+        let applied_before = applied_lsn(&app.pool).await;
+        let started = Instant::now();
+        while applied_lsn(&app.pool).await == applied_before {
+            assert!(started.elapsed() < Duration::from_secs(60), "the worker applied nothing");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if round == 1 {
+            large_transaction(&host).await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        worker.kill().unwrap(); // SIGKILL
+        worker.wait().unwrap();
     }
     stop.store(true, Ordering::SeqCst);
     let mut committed = 0;
@@ -574,6 +576,8 @@ async fn a_table_of_another_postgresql_is_followed_from_its_log_exactly_and_its_
         committed += writer.await.unwrap();
     }
     assert!(committed > 100, "{committed} host transactions committed");
+    // The host restarts; the slot and the applied position carry on.
+    node.restart();
     follow_to_the_end(&app, &host).await;
 
     // Every tenant's export is its rows of the host table, exactly — TOASTed bodies whole.
@@ -697,6 +701,25 @@ async fn a_table_of_another_postgresql_is_followed_from_its_log_exactly_and_its_
     assert_eq!(leftovers, 0, "a slot or publication left on the host");
     assert!(schema_dump(&source).await == before, "pg_dump --schema-only differs after detach");
     host.close().await;
+}
+
+async fn applied_lsn(pool: &PgPool) -> Option<String> {
+    sqlx::query_scalar("SELECT applied_lsn::text FROM attachments WHERE capture = 'log'").fetch_one(pool).await.unwrap()
+}
+
+/// One host transaction that updates every other ticket (far more than the host's 64 kB of
+/// logical_decoding_work_mem), tried again when it deadlocks with the writers.
+async fn large_transaction(host: &PgPool) {
+    loop {
+        match sqlx::query("UPDATE app.tickets SET status = 'bulk' WHERE id % 2 = 0").execute(host).await {
+            Ok(done) => {
+                assert!(done.rows_affected() > 1000);
+                return;
+            }
+            Err(e) if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("40P01") => continue,
+            Err(e) => panic!("{e}"),
+        }
+    }
 }
 
 /// A host writer of log capture: inserts, updates of small columns (leaving TOASTed bodies

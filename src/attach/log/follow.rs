@@ -538,7 +538,11 @@ impl Applier<'_> {
                 Change::Truncate => {}
             }
         }
-        let keys = images::keys(conn, self.resolved, self.id, self.round, &named).await?;
+        // Which copy batch holds each row matters only for a transaction some batch's snapshot
+        // saw: once the log is past the copy, no lookup.
+        let copy_saw_some = chunk.iter().any(|l| self.snapshots.values().any(|s| s.sees(l.xid)));
+        let round = if copy_saw_some { Some(self.round) } else { None };
+        let keys = images::keys(conn, self.resolved, self.id, round, &named).await?;
         let names: Vec<String> = keys.iter().map(|p| p.key.clone()).collect();
         let kept = images::kept(conn, self.id, &names).await?;
         let mut keys = keys.into_iter();

@@ -47,17 +47,30 @@ pub struct Placed {
 }
 
 /// The record key of each image (in order), with the copy batch of `round` whose key range
-/// (after its lower bound, up to its last row; the last batch up to the end) holds the row.
+/// (after its lower bound, up to its last row; the last batch up to the end) holds the row
+/// (`round` None: no batch is looked up).
 pub async fn keys(
     conn: &mut PgConnection,
     resolved: &Resolved,
     attachment: i64,
-    round: i32,
+    round: Option<i32>,
     images: &[&Image],
 ) -> anyhow::Result<Vec<Placed>> {
     if images.is_empty() {
         return Ok(Vec::new());
     }
+    let Some(round) = round else {
+        let sql = format!("SELECT ({})::text AS key {} ORDER BY exportd_n", resolved.key_sql, over_images(resolved));
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(json!(images)).fetch_all(&mut *conn).await?;
+        return rows
+            .iter()
+            .map(|r| {
+                let key: Option<String> = r.try_get("key")?;
+                let key = key.ok_or_else(|| anyhow::anyhow!("a host row whose key is NULL"))?;
+                Ok(Placed { key, batch: None })
+            })
+            .collect();
+    };
     let types = resolved.key_image_types();
     let row: Vec<&str> = resolved.key.iter().map(|(name, _)| name.as_str()).collect();
     let bound = |column: &str| -> String {

@@ -107,8 +107,11 @@ impl Node {
     pub fn logical() -> Node {
         let node = Node { dir: private_dir("logical"), port: free_port() };
         run("initdb", &["-D", &node.data(), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-locale"]);
+        // A small logical_decoding_work_mem: a modest transaction already spills to disk when the
+        // slot is read, as a large one does on a real host.
         node.append_settings(
-            "wal_level = logical\nmax_replication_slots = 4\nmax_wal_senders = 4\nfsync = off\nmax_connections = 60\n",
+            "wal_level = logical\nmax_replication_slots = 4\nmax_wal_senders = 4\nlogical_decoding_work_mem = 64kB\n\
+             fsync = off\nmax_connections = 60\n",
         );
         node.start();
         node
@@ -158,6 +161,12 @@ impl Node {
     /// Crashes the server (`pg_ctl stop -m immediate`): nothing more is sent to standbys.
     pub fn kill(&self) {
         run("pg_ctl", &["-D", &self.data(), "-m", "immediate", "-w", "stop"]);
+    }
+
+    /// Stops the server (fast: sessions are ended) and starts it again.
+    pub fn restart(&self) {
+        run("pg_ctl", &["-D", &self.data(), "-m", "fast", "-w", "stop"]);
+        self.start();
     }
 
     /// Promotes this standby and waits until it accepts writes.
