@@ -47,7 +47,7 @@ pub struct Progress {
 /// A batch that waits this long on a record lock (a host writer of the same key) gives up.
 const LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '100ms'";
 
-/// Runs (or resumes) the attachment's backfill to its end; `report` is called after each batch.
+/// Runs (or resumes) a trigger attachment's backfill to its end; `report` is called after each batch.
 pub async fn backfill(
     pool: &PgPool,
     registry: &Registry,
@@ -55,9 +55,6 @@ pub async fn backfill(
     options: BackfillOptions,
     mut report: impl FnMut(&Progress),
 ) -> anyhow::Result<Progress> {
-    if attachment.capture == "log" {
-        return super::log::copy(pool, registry, attachment, options, report).await;
-    }
     let resolved = resolve::resolve(pool, pool, registry, &attachment.spec, resolve::Evaluated::OnTheTable).await?;
     let statement = sql::backfill_batch(&resolved);
     let limiter = RateLimiter::direct(Quota::per_second(options.rows_per_second));

@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
-pub use backfill::{BackfillOptions, Progress, backfill};
+pub use backfill::{BackfillOptions, Progress};
 pub use resolve::Refusal;
 
 use crate::tenants::Registry;
@@ -97,6 +97,22 @@ impl Attachment {
         }
         let left = (self.rows_estimate - self.rows_done).max(0) as f64;
         Some(std::time::Duration::from_secs_f64(left * elapsed / self.rows_done as f64))
+    }
+}
+
+/// Runs (or resumes) the attachment's first copy to its end — the backfill of a trigger
+/// attachment, the copy of a log attachment (or its resync) — calling `report` after each batch.
+pub async fn backfill(
+    pool: &PgPool,
+    registry: &Registry,
+    attachment: &Attachment,
+    options: BackfillOptions,
+    report: impl FnMut(&Progress),
+) -> anyhow::Result<Progress> {
+    if attachment.capture == "log" {
+        log::copy(pool, registry, attachment, options, report).await
+    } else {
+        backfill::backfill(pool, registry, attachment, options, report).await
     }
 }
 

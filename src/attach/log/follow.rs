@@ -701,6 +701,35 @@ mod tests {
         assert!(!s.sees(11), "after xmax");
     }
 
+    fn tuple(values: &[(&str, Value)], unchanged: &[&str]) -> Tuple {
+        Tuple {
+            image: values.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(),
+            unchanged: unchanged.iter().map(|c| c.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn an_unchanged_toasted_value_is_taken_from_the_full_old_row_else_the_kept_image() {
+        use serde_json::json;
+        let new = tuple(&[("id", json!("7")), ("title", json!("new"))], &["body"]);
+        let kept = Prior {
+            tenant: TenantOf::Known(Some("acme".into())),
+            image: tuple(&[("id", json!("7")), ("title", json!("old")), ("body", json!("kept body"))], &[]).image,
+            copied: None,
+        };
+        let merged_row = merged(&new, None, Some(&kept)).unwrap();
+        assert_eq!((merged_row["title"].clone(), merged_row["body"].clone()), (json!("new"), json!("kept body")));
+        // REPLICA IDENTITY FULL: the old row pgoutput sent wins over the image.
+        let old = tuple(&[("id", json!("7")), ("title", json!("old")), ("body", json!("old row body"))], &[]);
+        assert_eq!(merged(&new, Some(&old), Some(&kept)).unwrap()["body"], json!("old row body"));
+        // A value that is unchanged in the old row too is not taken from it.
+        let old_unchanged = tuple(&[("id", json!("7"))], &["body"]);
+        assert_eq!(merged(&new, Some(&old_unchanged), Some(&kept)).unwrap()["body"], json!("kept body"));
+        // Nothing to take it from: refused, naming the column — never written as NULL.
+        let refused = merged(&new, None, None).unwrap_err().to_string();
+        assert!(refused.contains("`body`") && refused.contains("REPLICA IDENTITY FULL"), "{refused}");
+    }
+
     #[test]
     fn lsns_round_trip_as_postgresql_writes_them() {
         assert_eq!(format_lsn(0x16_B374_D848), "16/B374D848");
