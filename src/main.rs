@@ -434,3 +434,78 @@ fn listen_address(text: &str) -> Result<SocketAddr, String> {
         "expected HOST:PORT, e.g. 127.0.0.1:8080 (this machine only) or 0.0.0.0:8080 (every interface)".to_owned()
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    fn binding(args: &[&str]) -> Result<exportd::attach::Spec, clap::Error> {
+        let cli = Cli::try_parse_from(["exportd", "attach"].iter().chain(args))?;
+        match cli.command {
+            Command::Attach { binding, .. } => Ok(binding.spec()),
+            _ => unreachable!("parsed as attach"),
+        }
+    }
+
+    #[test]
+    fn an_attach_binding_is_read_as_written() {
+        use exportd::attach::TenantRule;
+        let spec = binding(&[
+            "--table",
+            "app.tickets",
+            "--dataset",
+            "tickets",
+            "--tenant-column",
+            "org",
+            "--tenant-map",
+            "org-a=acme, org-b = globex",
+            "--column",
+            "subject=lower(title)",
+            "--column",
+            "amount = price * 2",
+            "--key",
+            "org,num",
+            "--source",
+            "postgres://capture@db/app",
+        ])
+        .unwrap();
+        assert_eq!(spec.table, "app.tickets");
+        assert_eq!(spec.key, ["org", "num"]);
+        let map = [("org-a".to_owned(), "acme".to_owned()), ("org-b".to_owned(), "globex".to_owned())].into();
+        assert_eq!(spec.tenant, TenantRule::Column { column: "org".into(), map });
+        assert_eq!(spec.columns["subject"], "lower(title)", "an expression is kept whole");
+        assert_eq!(spec.columns["amount"], "price * 2", "spaces around `=` are not part of either side");
+        assert_eq!(spec.source.as_deref(), Some("postgres://capture@db/app"));
+        let fixed = binding(&["--table", "t", "--dataset", "d", "--tenant", "acme"]).unwrap();
+        assert_eq!((fixed.tenant, fixed.source), (TenantRule::Fixed("acme".into()), None));
+    }
+
+    #[test]
+    fn a_malformed_binding_is_refused_before_anything_runs() {
+        let refused = |args: &[&str]| binding(args).unwrap_err().to_string();
+        // No tenant rule at all, or both kinds at once.
+        assert!(refused(&["--table", "t", "--dataset", "d"]).contains("--tenant"));
+        let both = refused(&[
+            "--table",
+            "t",
+            "--dataset",
+            "d",
+            "--tenant",
+            "a",
+            "--tenant-column",
+            "org",
+            "--tenant-map",
+            "x=a",
+        ]);
+        assert!(both.contains("cannot be used with"), "{both}");
+        // A column map without its column.
+        assert!(refused(&["--table", "t", "--dataset", "d", "--tenant-column", "org"]).contains("--tenant-map"));
+        // NAME=VALUE pairs need both sides.
+        for bad in ["subject", "=title", "subject="] {
+            let text = refused(&["--table", "t", "--dataset", "d", "--tenant", "a", "--column", bad]);
+            assert!(text.contains("expected NAME=VALUE"), "{bad}: {text}");
+        }
+    }
+}

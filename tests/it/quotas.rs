@@ -638,3 +638,51 @@ async fn usage_history_is_kept_ninety_days(pool: PgPool) {
         .unwrap();
     assert_eq!(kept, [10, 89]);
 }
+
+/// Egress counts what was sent: a download charged in full when admitted gives back what it did
+/// not send — on its own day only (after midnight the new day's budget is left alone), never more
+/// than it was charged — and its audit entry then says what went out.
+#[sqlx::test(migrations = "./migrations")]
+async fn egress_gives_back_unsent_bytes_on_their_own_day_only(pool: PgPool) {
+    use exportd::audit::AuditEvent;
+    use exportd::quota::{admit_download, egress_today, refund_unsent};
+    let app = TestApp::spawn(pool).await;
+    let tenant = app.registry.get("hooli").unwrap().clone(); // 30 000 bytes a day
+    let event = |bytes| AuditEvent {
+        tenant: "hooli",
+        principal: "gavin",
+        action: "downloaded",
+        export_id: None,
+        object: Some("file".into()),
+        byte_range: None,
+        status: Some(200),
+        address: None,
+        bytes: Some(bytes),
+    };
+    let late = time::macros::datetime!(2026-12-07 23:59:00 UTC);
+    let today = |at| {
+        let pool = app.pool.clone();
+        async move { egress_today(&pool, "hooli", at).await.unwrap() }
+    };
+    let first = admit_download(&app.pool, &tenant, event(10_000), late).await.unwrap().unwrap();
+    let second = admit_download(&app.pool, &tenant, event(20_000), late).await.unwrap().unwrap();
+    assert_eq!(today(late).await, 30_000);
+    assert!(admit_download(&app.pool, &tenant, event(1), late).await.unwrap().is_err(), "the day is used up");
+    // The first download's client left after 4 000 bytes: 6 000 come back and can be used again.
+    refund_unsent(&app.pool, "hooli", first, 4_000).await.unwrap();
+    assert_eq!(today(late).await, 24_000);
+    let audited: Option<i64> = sqlx::query_scalar("SELECT bytes FROM audit_log WHERE id = $1")
+        .bind(first.audit_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(audited, Some(4_000), "the audit log says what was sent");
+    // Sending everything (or more than charged) gives nothing back.
+    refund_unsent(&app.pool, "hooli", second, 25_000).await.unwrap();
+    assert_eq!(today(late).await, 24_000);
+    // After midnight a new budget; a refund of yesterday's download does not touch it.
+    let next_day = late + time::Duration::minutes(2);
+    admit_download(&app.pool, &tenant, event(5_000), next_day).await.unwrap().unwrap();
+    refund_unsent(&app.pool, "hooli", second, 0).await.unwrap();
+    assert_eq!(today(next_day).await, 5_000, "yesterday's refund left today's count alone");
+}
