@@ -86,6 +86,7 @@ start_weed() {
     -admin.port=$((port + 8)) -admin.port.grpc=$((port + 9)) -admin.ui=false \
     -webdav=false -s3.port.iceberg=0 -s3.port.lance=0 >"$dir/weed.log" 2>&1 &
   WEED_PID=$!
+  WEED_GRPC_PORTS[$WEED_PID]="$((port + 1)) $((port + 3)) $((port + 5)) $((port + 7)) $((port + 9))"
   # Ready when a signed request to the bucket succeeds (the bucket is created a little after
   # the port opens).
   local i
@@ -115,7 +116,13 @@ stop_seaweedfs() {
   return 0
 }
 
-# stop_weed PID: setsid made it a process group leader: stop the whole group; kill it if it lingers.
+# The gRPC ports of each SeaweedFS started here, by process id: its master, volume, filer and
+# admin servers put a Unix socket per gRPC port in /tmp (no flag moves them) and remove it only
+# when they stop in time.
+declare -gA WEED_GRPC_PORTS=()
+
+# stop_weed PID: setsid made it a process group leader: stop the whole group; kill it if it
+# lingers, then remove the sockets a killed one leaves in /tmp.
 stop_weed() {
   local pid="$1"
   if [ -n "$pid" ]; then
@@ -125,6 +132,9 @@ stop_weed() {
     for i in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
     kill -KILL -- "-$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
+    local port
+    for port in ${WEED_GRPC_PORTS[$pid]:-}; do rm -f /tmp/seaweedfs-*-grpc-"$port".sock; done
+    unset "WEED_GRPC_PORTS[$pid]"
   fi
   return 0
 }
