@@ -130,20 +130,7 @@ async fn batch(pool: &PgPool, id: i64, resolved: &Resolved, statement: &str, lim
     }
     let position: Option<Vec<String>> = rows.last().map(|r| r.try_get("position")).transpose()?;
     let finished = rows.len() < limit as usize;
-    sqlx::query!(
-        "UPDATE attachments SET backfill_after = coalesce($2, backfill_after), rows_done = rows_done + $3,
-             rows_written = rows_written + $4, updated_at = now(),
-             state = CASE WHEN $5 THEN 'live' ELSE state END,
-             finished_at = CASE WHEN $5 THEN now() END
-         WHERE id = $1",
-        id,
-        position.as_deref(),
-        rows.len() as i64,
-        written,
-        finished,
-    )
-    .execute(&mut *tx)
-    .await?;
+    advance(&mut tx, id, position.as_deref(), rows.len() as i64, written, finished).await?;
     tx.commit().await?;
     tracing::debug!(
         attachment = id,
@@ -153,6 +140,33 @@ async fn batch(pool: &PgPool, id: i64, resolved: &Resolved, statement: &str, lim
         "backfill batch"
     );
     progress(pool, id).await
+}
+
+/// Records a batch of the first copy (either capture): the key position reached, rows read and
+/// written, and `live` once it was the last.
+pub(crate) async fn advance(
+    conn: &mut sqlx::PgConnection,
+    id: i64,
+    position: Option<&[String]>,
+    rows: i64,
+    written: i64,
+    finished: bool,
+) -> sqlx::Result<()> {
+    sqlx::query!(
+        "UPDATE attachments SET backfill_after = coalesce($2, backfill_after), rows_done = rows_done + $3,
+             rows_written = rows_written + $4, updated_at = now(),
+             state = CASE WHEN $5 THEN 'live' ELSE state END,
+             finished_at = CASE WHEN $5 THEN now() END
+         WHERE id = $1",
+        id,
+        position,
+        rows,
+        written,
+        finished,
+    )
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }
 
 pub(crate) async fn progress(pool: &PgPool, id: i64) -> sqlx::Result<Progress> {

@@ -13,7 +13,7 @@ use sqlx::{PgPool, Row};
 use super::images::{self, Image, Op};
 use super::{connect, ensure_slot};
 use crate::attach::Attachment;
-use crate::attach::backfill::{BackfillOptions, Progress, progress};
+use crate::attach::backfill::{BackfillOptions, Progress, advance, progress};
 use crate::attach::resolve::{self, Evaluated, Resolved};
 use crate::tenants::Registry;
 
@@ -151,20 +151,7 @@ async fn batch(
         let batches: Vec<i32> = (1..=number).collect();
         written += images::apply(&mut tx, id, &resolved.dataset, &[Op::KeepOnly { round, batches }]).await?;
     }
-    sqlx::query!(
-        "UPDATE attachments SET backfill_after = coalesce($2, backfill_after), rows_done = rows_done + $3,
-             rows_written = rows_written + $4, updated_at = now(),
-             state = CASE WHEN $5 THEN 'live' ELSE state END,
-             finished_at = CASE WHEN $5 THEN now() END
-         WHERE id = $1",
-        id,
-        position.as_deref(),
-        rows.len() as i64,
-        written,
-        finished,
-    )
-    .execute(&mut *tx)
-    .await?;
+    advance(&mut tx, id, position.as_deref(), rows.len() as i64, written, finished).await?;
     tx.commit().await?;
     Ok(progress(pool, id).await?)
 }

@@ -59,18 +59,6 @@ pub async fn keys(
     if images.is_empty() {
         return Ok(Vec::new());
     }
-    let Some(round) = round else {
-        let sql = format!("SELECT ({})::text AS key {} ORDER BY exportd_n", resolved.key_sql, over_images(resolved));
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(json!(images)).fetch_all(&mut *conn).await?;
-        return rows
-            .iter()
-            .map(|r| {
-                let key: Option<String> = r.try_get("key")?;
-                let key = key.ok_or_else(|| anyhow::anyhow!("a host row whose key is NULL"))?;
-                Ok(Placed { key, batch: None })
-            })
-            .collect();
-    };
     let types = resolved.key_image_types();
     let row: Vec<&str> = resolved.key.iter().map(|(name, _)| name.as_str()).collect();
     let bound = |column: &str| -> String {
@@ -79,12 +67,14 @@ pub async fn keys(
         format!("({})", cast.join(", "))
     };
     let row = format!("({})", row.join(", "));
+    // The batch is looked up only for a round (`$3` NULL: none).
     let sql = format!(
         "SELECT ({key})::text AS key,
-                (SELECT b.batch FROM attachment_copy_batches b
-                  WHERE b.attachment = $2 AND b.round = $3
-                    AND (b.after IS NULL OR {row} > {after}) AND (b.last IS NULL OR {row} <= {last})
-                  ORDER BY b.batch LIMIT 1) AS batch
+                CASE WHEN $3::int IS NOT NULL THEN
+                    (SELECT b.batch FROM attachment_copy_batches b
+                      WHERE b.attachment = $2 AND b.round = $3
+                        AND (b.after IS NULL OR {row} > {after}) AND (b.last IS NULL OR {row} <= {last})
+                      ORDER BY b.batch LIMIT 1) END AS batch
          {from} ORDER BY exportd_n",
         key = resolved.key_sql,
         after = bound("after"),
