@@ -58,9 +58,29 @@ fn unreachable(options: &PgConnectOptions, doing: &str, error: sqlx::Error) -> a
     anyhow::Error::new(error).context(format!("{doing} {}{refusal} — {hint}", describe(options)))
 }
 
+/// A pooled connection idle at least this long is pinged before it is handed out.
+const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
+
+/// The settings every pool of exportd starts from. sqlx pings each connection before handing it
+/// out — a round trip in front of every statement's own (on a download, three of its seven). A
+/// restart or failover of the server leaves idle connections dead, so only a connection idle for
+/// [`PING_AFTER_IDLE`] or more is pinged (a dead one is replaced then); one in steady use is
+/// handed out as it is, and if its server went away meanwhile its statement fails as a
+/// transient error, like any statement in flight at that moment.
+pub fn pool_options() -> PgPoolOptions {
+    PgPoolOptions::new().test_before_acquire(false).before_acquire(|conn, meta| {
+        Box::pin(async move {
+            if meta.idle_for >= PING_AFTER_IDLE {
+                sqlx::Connection::ping(conn).await?;
+            }
+            Ok(true)
+        })
+    })
+}
+
 pub async fn connect(database_url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
     let options = parse_url(database_url)?.log_slow_statements(log::LevelFilter::Warn, SLOW_STATEMENT);
-    PgPoolOptions::new()
+    pool_options()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(10))
         .connect_with(options.clone())

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
 
 use crate::history::HistoryPoint;
 
@@ -54,7 +53,7 @@ impl Replicas {
         for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
             let options = crate::db::parse_url(url).context("EXPORTD_READ_REPLICAS")?;
             let name = format!("{}:{}", options.get_host(), options.get_port());
-            let pool = PgPoolOptions::new()
+            let pool = crate::db::pool_options()
                 .max_connections(max_connections)
                 .acquire_timeout(Duration::from_secs(2))
                 .connect_lazy_with(options);

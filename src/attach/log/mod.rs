@@ -23,7 +23,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use sqlx::PgPool;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgConnectOptions;
 
 pub use copy::copy;
 pub use follow::{FollowOptions, follow_all, run};
@@ -37,7 +37,7 @@ pub async fn connect(url: &str, connections: u32) -> anyhow::Result<PgPool> {
     let options = PgConnectOptions::from_str(url)
         .map_err(|_| Refusal("--source: not a PostgreSQL URL (postgres://user@host:port/database)".into()))?
         .application_name("exportd-capture");
-    PgPoolOptions::new()
+    crate::db::pool_options()
         .max_connections(connections)
         .acquire_timeout(Duration::from_secs(10))
         .connect_with(options)
