@@ -10,7 +10,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
-use crate::audit::{AuditEvent, insert};
+use crate::audit::AuditEvent;
 use crate::tenants::Tenant;
 
 /// A download admitted with all of its bytes charged: what to give back if fewer are sent.
@@ -25,20 +25,48 @@ pub struct Admitted {
 
 /// Records the download, charging every byte it may send, if they fit today's quota; otherwise
 /// how long until the day rolls over. What is not sent is given back with [`refund_unsent`].
+///
+/// One statement (its own transaction, one round trip before the first byte): the tenant's
+/// usage row is created or locked by the upsert, whose condition re-reads the latest count under
+/// that lock, so concurrent downloads cannot both slip in; the audit entry is written only for
+/// an admitted download.
 pub async fn admit_download(
     pool: &PgPool,
     tenant: &Tenant,
     event: AuditEvent<'_>,
     now: OffsetDateTime,
 ) -> sqlx::Result<Result<Admitted, Rejection>> {
-    let mut tx = pool.begin().await?;
     let bytes = event.bytes.unwrap_or(0);
-    if let Err(rejection) = admit(&mut tx, tenant, bytes, now).await? {
-        return Ok(Err(rejection));
-    }
-    let audit_id = insert(&mut *tx, &event).await?;
-    tx.commit().await?;
-    Ok(Ok(Admitted { audit_id, day: now.date(), bytes }))
+    let audit_id = sqlx::query_scalar!(
+        r#"WITH admitted AS (
+             INSERT INTO tenant_usage AS u (tenant, egress_day, egress_bytes)
+             SELECT $1::text, $2::date, $3::bigint WHERE $3::bigint <= $4::bigint
+             ON CONFLICT ON CONSTRAINT tenant_usage_pkey DO UPDATE
+                 SET egress_day = $2,
+                     egress_bytes = CASE WHEN u.egress_day = $2 THEN u.egress_bytes ELSE 0 END + $3
+                 WHERE CASE WHEN u.egress_day = $2 THEN u.egress_bytes ELSE 0 END + $3 <= $4
+             RETURNING u.tenant)
+         INSERT INTO audit_log (tenant, principal, action, export_id, object, byte_range, status, address, bytes)
+         SELECT tenant, $5, $6, $7, $8, $9, $10, $11, $3::bigint FROM admitted
+         RETURNING id"#,
+        tenant.id.as_str(),
+        now.date(),
+        i64::try_from(bytes).unwrap_or(i64::MAX),
+        i64::try_from(tenant.quota.egress_bytes_per_day).unwrap_or(i64::MAX),
+        event.principal,
+        event.action,
+        event.export_id,
+        event.object,
+        event.byte_range,
+        event.status.map(i32::from),
+        event.address,
+    )
+    .fetch_optional(pool)
+    .await?;
+    Ok(match audit_id {
+        Some(audit_id) => Ok(Admitted { audit_id, day: now.date(), bytes }),
+        None => Err(Rejection::Egress { retry_after: until_tomorrow(now) }),
+    })
 }
 
 /// A download that ended after `sent` of its admitted bytes (its client left, or the store
@@ -72,7 +100,6 @@ pub async fn admit(
     bytes: u64,
     now: OffsetDateTime,
 ) -> sqlx::Result<Result<(), Rejection>> {
-    let midnight = now.replace_time(time::Time::MIDNIGHT);
     crate::quota::lock_tenant(tx, tenant.id.as_str()).await?;
     let admitted = sqlx::query!(
         "UPDATE tenant_usage SET egress_day = $2,
@@ -86,12 +113,15 @@ pub async fn admit(
     .execute(&mut *tx)
     .await?;
     if admitted.rows_affected() == 0 {
-        let tomorrow = midnight + time::Duration::days(1);
-        // Rounded up: retrying after this many seconds lands in the next day.
-        let retry_after = Duration::from_secs((tomorrow - now).whole_seconds().max(0) as u64 + 1);
-        return Ok(Err(Rejection::Egress { retry_after }));
+        return Ok(Err(Rejection::Egress { retry_after: until_tomorrow(now) }));
     }
     Ok(Ok(()))
+}
+
+/// How long until the UTC day after `now` begins, rounded up: retrying after it lands there.
+fn until_tomorrow(now: OffsetDateTime) -> Duration {
+    let tomorrow = now.replace_time(time::Time::MIDNIGHT) + time::Duration::days(1);
+    Duration::from_secs((tomorrow - now).whole_seconds().max(0) as u64 + 1)
 }
 
 /// Bytes downloaded today (UTC) by the tenant's principals.

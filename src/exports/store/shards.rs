@@ -6,17 +6,38 @@ use std::collections::HashSet;
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use crate::auth::Caller;
 use crate::exports::ShardRecord;
+
+/// `SELECT <every column of a checkpoint> FROM export_shards s <rest>` as a [`ShardRecord`] query.
+macro_rules! shard_query {
+    ($rest:literal $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            ShardRecord,
+            r#"SELECT s.shard_index, s.first_key, s.last_key, s.rows, s.bytes, s.sha256, s.object_key,
+                    s.head_bytes, s.head_crc32, s.head_raw_bytes, s.body_bytes, s.body_crc32, s.body_raw_bytes,
+                    s.stats AS "stats: sqlx::types::Json<Vec<crate::writers::ColumnStats>>"
+               FROM export_shards s "# + $rest
+            $(, $arg)*
+        )
+    };
+}
 
 /// The checkpointed shards of an export, in order.
 pub async fn all(pool: &PgPool, export_id: Uuid) -> sqlx::Result<Vec<ShardRecord>> {
-    sqlx::query_as!(
-        ShardRecord,
-        r#"SELECT shard_index, first_key, last_key, rows, bytes, sha256, object_key,
-                head_bytes, head_crc32, head_raw_bytes, body_bytes, body_crc32, body_raw_bytes,
-                stats AS "stats: sqlx::types::Json<Vec<crate::writers::ColumnStats>>"
-         FROM export_shards WHERE export_id = $1 ORDER BY shard_index"#,
+    shard_query!("WHERE s.export_id = $1 ORDER BY s.shard_index", export_id).fetch_all(pool).await
+}
+
+/// [`all`], if the export is one `caller` may see (else none, as for an export that does not
+/// exist): a download asks for them together with the job, before it knows it may see the job.
+pub async fn visible(pool: &PgPool, caller: &Caller, export_id: Uuid) -> sqlx::Result<Vec<ShardRecord>> {
+    shard_query!(
+        "JOIN export_jobs j ON j.id = s.export_id
+         WHERE s.export_id = $1 AND j.tenant = $2 AND ($3 OR j.principal = $4) ORDER BY s.shard_index",
         export_id,
+        caller.tenant.id.as_str(),
+        caller.principal.is_admin(),
+        caller.principal.id.as_str(),
     )
     .fetch_all(pool)
     .await
@@ -24,16 +45,7 @@ pub async fn all(pool: &PgPool, export_id: Uuid) -> sqlx::Result<Vec<ShardRecord
 
 /// The export's last checkpoint, if any (where its next shard starts): one index probe.
 pub async fn last(pool: &PgPool, export_id: Uuid) -> sqlx::Result<Option<ShardRecord>> {
-    sqlx::query_as!(
-        ShardRecord,
-        r#"SELECT shard_index, first_key, last_key, rows, bytes, sha256, object_key,
-                head_bytes, head_crc32, head_raw_bytes, body_bytes, body_crc32, body_raw_bytes,
-                stats AS "stats: sqlx::types::Json<Vec<crate::writers::ColumnStats>>"
-         FROM export_shards WHERE export_id = $1 ORDER BY shard_index DESC LIMIT 1"#,
-        export_id,
-    )
-    .fetch_optional(pool)
-    .await
+    shard_query!("WHERE s.export_id = $1 ORDER BY s.shard_index DESC LIMIT 1", export_id).fetch_optional(pool).await
 }
 
 /// The object keys the export's checkpoints point at.
