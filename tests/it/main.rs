@@ -12,6 +12,7 @@ mod column_policies;
 mod dashboard;
 mod deliveries;
 mod delivery_faults;
+mod delivery_leases;
 mod delivery_slots;
 mod downloads;
 mod exports;
