@@ -128,7 +128,12 @@ async fn a_taken_over_attempt_writes_nothing_and_the_newer_ones_bookkeeping_only
     let delivered = Outcome::Delivered { path: "lake/tickets/".into() };
     assert_eq!(store::record(&app.pool, &fourth, &delivered).await.unwrap().as_deref(), Some("delivered"));
     assert_eq!(store::record(&app.pool, &fourth, &delivered).await.unwrap(), None, "recorded twice");
-    let audited: Vec<(i64,)> =
-        sqlx::query_as("SELECT bytes FROM audit_log WHERE action = 'delivered'").fetch_all(&app.pool).await.unwrap();
-    assert_eq!(audited, vec![(125,)]);
+    type Entry = (String, String, Option<uuid::Uuid>, Option<String>, Option<i64>);
+    let audited: Vec<Entry> =
+        sqlx::query_as("SELECT tenant, principal, export_id, object, bytes FROM audit_log WHERE action = 'delivered'")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    let entry = ("acme".into(), "zenpartner".into(), Some(fourth.export_id), Some("lake/tickets/".into()), Some(125));
+    assert_eq!(audited, vec![entry]);
 }
