@@ -45,16 +45,13 @@ async fn healthz(State(state): State<AppState>) -> ApiResult<axum::Json<Health>>
         e.retry_after_seconds = Some(1);
         e
     };
-    let asked =
-        sqlx::query!(r#"SELECT CASE WHEN pg_is_in_recovery() THEN NULL ELSE exportd_timeline() END AS timeline"#)
-            .fetch_one(&state.pool);
     // Answer within a load balancer's patience, not the pool's acquire timeout.
-    let answer = tokio::time::timeout(DATABASE_PATIENCE, asked).await;
+    let answer = tokio::time::timeout(DATABASE_PATIENCE, primary_timeline(&state.pool)).await;
     let primary = answer.unwrap_or(Err(sqlx::Error::PoolTimedOut)).map_err(|e| {
         tracing::warn!(error = %e, "health check: database unreachable");
         failing_over("the database does not answer")
     })?;
-    let Some(timeline) = primary.timeline else {
+    let Some(timeline) = primary else {
         tracing::warn!("health check: the database is read-only (in recovery)");
         return Err(failing_over(
             "the database answers read-only: a standby not promoted yet, or a primary being demoted",
@@ -66,4 +63,24 @@ async fn healthz(State(state): State<AppState>) -> ApiResult<axum::Json<Health>>
     }
     let (status, store) = if store_error.is_some() { ("degraded", "unreachable") } else { ("ok", "ok") };
     Ok(axum::Json(Health { status, database: "ok", timeline, store, store_error }))
+}
+
+/// The timeline the database writes on, or `None` while it is read-only. A connection in steady
+/// use is handed out without a ping ([`crate::db::pool_options`]), so right after a quick
+/// switchover one whose server went away can fail; the pool drops it, and that failure speaks
+/// for the connection, not the database: ask again on the next one, at most once per
+/// connection that was idle in the pool.
+async fn primary_timeline(pool: &sqlx::PgPool) -> Result<Option<i32>, sqlx::Error> {
+    let mut stale_at_most = pool.num_idle();
+    loop {
+        let asked =
+            sqlx::query!(r#"SELECT CASE WHEN pg_is_in_recovery() THEN NULL ELSE exportd_timeline() END AS timeline"#)
+                .fetch_one(pool)
+                .await
+                .map(|row| row.timeline);
+        match asked {
+            Err(sqlx::Error::Io(_) | sqlx::Error::Protocol(_)) if stale_at_most > 0 => stale_at_most -= 1,
+            answer => return answer,
+        }
+    }
 }
