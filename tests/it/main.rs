@@ -15,6 +15,7 @@ mod delivery_faults;
 mod delivery_leases;
 mod delivery_slots;
 mod downloads;
+mod export_leases;
 mod exports;
 mod failover;
 mod feeds;
