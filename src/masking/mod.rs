@@ -252,12 +252,14 @@ impl ColumnMasks {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dataset::ColumnType;
 
     fn schema() -> DatasetSchema {
         toml::from_str(
             "name='t'\nkey_column='id'\n[[columns]]\nname='email'\ntype='string'\nrequired=true\n\
              [[columns]]\nname='n'\ntype='integer'\n[[columns]]\nname='ok'\ntype='boolean'\n\
-             [[columns]]\nname='tags'\ntype='json'",
+             [[columns]]\nname='tags'\ntype='json'\n\
+             [[columns]]\nname='amount'\ntype='number'\nprecision=12\nscale=2",
         )
         .unwrap()
     }
@@ -326,5 +328,80 @@ mod tests {
         let expected = h.hash(b"a@b.example");
         assert_eq!(record, format!(r#"{{"email":"{expected}","n":7}}"#));
         assert_eq!(policy.key("t-1"), h.hash(b"t-1"));
+    }
+
+    #[test]
+    fn the_policy_answers_for_each_column_and_orders_by_the_key_it_serves() {
+        let h = hasher("p");
+        let same_key = |got: Option<&ColumnHasher>| got.map(|k| k.hash(b"x")) == Some(h.hash(b"x"));
+        let columns =
+            ColumnPolicy::new(&schema(), rules(&[("email", "hash"), ("n", "drop")]), Some(h.clone())).unwrap();
+        assert_eq!(columns.rule("email"), Some(ColumnRule::Hash));
+        assert_eq!(columns.rule("n"), Some(ColumnRule::Drop));
+        assert_eq!(columns.rule("ok"), None);
+        assert!(same_key(columns.hasher()), "the partner's key");
+        assert!(!columns.hashes_keys());
+        assert!(matches!(columns.key_order(), KeyOrder::Key), "keys not hashed: the key's own order");
+        assert!(matches!(columns.key("t-1"), Cow::Borrowed("t-1")));
+        let summary = columns.summary();
+        assert_eq!(summary.fingerprint, columns.fingerprint());
+        let declared = [("email", "hash"), ("n", "drop")].map(|(c, r)| (c.to_owned(), r.to_owned()));
+        assert_eq!(summary.columns, BTreeMap::from(declared));
+
+        let keys = ColumnPolicy::new(&schema(), rules(&[("id", "hash")]), Some(h.clone())).unwrap();
+        assert!(keys.hashes_keys());
+        let KeyOrder::Hashed(ordered_by) = keys.key_order() else { panic!("hashed keys come in hashed order") };
+        assert!(same_key(Some(ordered_by)));
+        assert_eq!(keys.key("t-1"), h.hash(b"t-1"));
+
+        let nothing_hashed = ColumnPolicy::new(&schema(), rules(&[("n", "null")]), Some(h.clone())).unwrap();
+        assert!(nothing_hashed.hasher().is_none(), "no hash rule: the key is not kept");
+    }
+
+    #[test]
+    fn each_column_is_described_as_the_partner_receives_it() {
+        let schema = schema();
+        let all = [("id", "hash"), ("email", "truncate(3)"), ("amount", "hash"), ("n", "null"), ("ok", "drop")];
+        let policy = ColumnPolicy::new(&schema, rules(&all), Some(hasher("p"))).unwrap();
+        let of = |name: &str| OutputColumn::of(schema.column(name).unwrap());
+        let masked = |name: &str, ty, rule| OutputColumn {
+            ty,
+            required: false,
+            precision: None,
+            scale: None,
+            masked: Some(rule),
+            ..of(name)
+        };
+        let key = OutputColumn::key("id");
+        let hashed_key = OutputColumn { masked: Some(ColumnRule::Hash), ..key.clone() };
+        assert_eq!(policy.output_column(key), Some(hashed_key), "the key stays required text");
+        assert_eq!(policy.output_column(of("ok")), None, "dropped");
+        assert_eq!(policy.output_column(of("tags")), Some(of("tags")), "no rule: as declared");
+        let email = masked("email", ColumnType::String, ColumnRule::Truncate(3));
+        assert_eq!(policy.output_column(of("email")), Some(email), "nullable once masked");
+        assert_eq!(policy.output_column(of("n")), Some(masked("n", ColumnType::Integer, ColumnRule::Null)));
+        let amount = masked("amount", ColumnType::String, ColumnRule::Hash);
+        assert_eq!(policy.output_column(of("amount")), Some(amount), "a hashed decimal is text");
+    }
+
+    #[test]
+    fn an_exports_masks_follow_its_output_columns() {
+        let h = hasher("p");
+        let of = |name: &str| OutputColumn::of(schema().column(name).unwrap());
+        let plain = [OutputColumn::key("id"), of("n")];
+        assert!(ColumnMasks::of(&plain, Some(&h)).unwrap().is_none(), "nothing masked: no masks");
+
+        let mut retired = of("email");
+        retired.retire();
+        let hashed_key = OutputColumn { masked: Some(ColumnRule::Hash), ..OutputColumn::key("id") };
+        let columns = [hashed_key, retired.clone(), of("n")];
+        assert!(ColumnMasks::of(&columns, None).is_err(), "a hashed column needs the key");
+        let masks = ColumnMasks::of(&columns, Some(&h)).unwrap().expect("masks");
+        assert_eq!(masks.key("t-1"), h.hash(b"t-1"));
+        assert_eq!(masks.apply(1, Cell::String("a@b.example".into())), Cell::Null, "a retired column reads as null");
+        assert_eq!(masks.apply(2, Cell::Number("7")), Cell::Number("7"));
+
+        let masks = ColumnMasks::of(&[OutputColumn::key("id"), retired], Some(&h)).unwrap().expect("masks");
+        assert!(matches!(masks.key("t-1"), Cow::Borrowed("t-1")), "a key not hashed is the key");
     }
 }
