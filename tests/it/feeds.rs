@@ -483,6 +483,25 @@ async fn old_history_is_collected_except_what_a_live_export_still_reads(pool: Pg
 }
 
 #[sqlx::test(migrations = "./migrations")]
+async fn a_cleaner_pass_keeps_every_tick_inside_the_retention(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let token = app.token("acme", "alice");
+    let cursor = app.cursor_now(&token, "tickets").await;
+    let mut conn = app.pool.acquire().await.unwrap();
+    upsert(&mut conn, "k", "v1", "emea").await;
+    seal(&app).await;
+    let ticks =
+        async || -> i64 { sqlx::query_scalar("SELECT count(*) FROM feed_ticks").fetch_one(&app.pool).await.unwrap() };
+    let before = ticks().await;
+    assert!(before > 1, "ticks no window starts or ends at: {before}");
+    exportd::cleaner::run_once(&app.pool, &app.store, &app.registry, app.clock.now()).await.unwrap();
+    assert_eq!(ticks().await, before, "ticks younger than every tenant's tombstone horizon stay");
+    let read = app.get(Some(&token), &format!("/v1/datasets/tickets/changes?cursor={cursor}")).await;
+    assert_eq!(read.status(), 200);
+    assert_eq!(read.json::<Value>().await.unwrap()["changes"].as_array().unwrap().len(), 1);
+}
+
+#[sqlx::test(migrations = "./migrations")]
 async fn a_caught_up_partner_polling_keeps_no_empty_windows(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
     let token = app.token("acme", "alice");
